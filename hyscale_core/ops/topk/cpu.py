@@ -1,0 +1,172 @@
+"""CPU backend of ``topk``: an exact radix select per row, parallel over rows.
+
+Per row: keys from the bits (keys.py), an MSB-first radix select with 11-bit
+digits over a shrinking candidate buffer finds the k-th key ``thr`` and the
+number of keys above it, then one pass in index order takes every key above
+``thr`` and the first ties equal to it (lower index first). ``sorted=True``
+then orders the k picks by (key descending, index ascending).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .keys import key_spec
+
+DIGIT_BITS = 11
+
+
+@njit(cache=True, inline="always")
+def sort_key(bits, width_ones, sign, exp_mask, mant_mask, is_float, invert):
+    """Key of one element's raw bits (uint64); see keys.py for the mapping."""
+    zero = np.uint64(0)
+    if is_float:
+        if (bits & exp_mask) == exp_mask and (bits & mant_mask) != zero:
+            key = width_ones
+        else:
+            if bits == sign:
+                bits = zero
+            if (bits & sign) != zero:
+                key = ~bits & width_ones
+            else:
+                key = bits | sign
+    else:
+        key = bits ^ sign
+    if invert:
+        key = ~key & width_ones
+    return key
+
+
+@njit(cache=True)
+def kth_largest(keys, k, width):
+    """``(thr, n_above)``: the k-th largest key and how many keys exceed it.
+
+    ``keys`` is a uint64 array, ``1 <= k <= len(keys)``.
+    """
+    hist = np.zeros(1 << DIGIT_BITS, np.int64)
+    cand = keys
+    k_rem = k
+    n_above = 0
+    shift = width
+    while shift > 0:
+        digit = min(DIGIT_BITS, shift)
+        shift -= digit
+        n_buckets = 1 << digit
+        mask = np.uint64(n_buckets - 1)
+        sh = np.uint64(shift)
+        hist[:n_buckets] = 0
+        for key in cand:
+            hist[(key >> sh) & mask] += 1
+        bucket = n_buckets - 1
+        acc = 0
+        while acc + hist[bucket] < k_rem:
+            acc += hist[bucket]
+            bucket -= 1
+        n_above += acc
+        k_rem -= acc
+        size = hist[bucket]
+        target = np.uint64(bucket)
+        nxt = np.empty(size, np.uint64)
+        j = 0
+        for key in cand:
+            if ((key >> sh) & mask) == target:
+                nxt[j] = key
+                j += 1
+        cand = nxt
+        if size == k_rem:  # the whole bucket is taken: its minimum is the k-th
+            thr = cand.min()
+            for key in cand:
+                if key > thr:
+                    n_above += 1
+            return thr, n_above
+    return cand[0], n_above
+
+
+@njit(cache=True)
+def take_in_index_order(keys, k, thr, n_above, out):
+    """Write the indices of the top-k keys to ``out`` in ascending order."""
+    ties = k - n_above
+    j = 0
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        if key > thr:
+            out[j] = i
+            j += 1
+        elif key == thr and ties > 0:
+            out[j] = i
+            j += 1
+            ties -= 1
+
+
+@njit(cache=True)
+def sort_by_key(keys, idx, width):
+    """Reorder ``idx`` (ascending indices into ``keys``) by key descending.
+
+    An LSD radix sort on complemented keys, 11-bit digits; every pass is
+    stable, so equal keys keep their ascending index order.
+    """
+    k = idx.shape[0]
+    ones = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    cur_key = np.empty(k, np.uint64)
+    for j in range(k):
+        cur_key[j] = ~keys[idx[j]] & ones
+    cur_idx = idx.copy()
+    nxt_key = np.empty(k, np.uint64)
+    nxt_idx = np.empty(k, idx.dtype)
+    hist = np.empty(1 << DIGIT_BITS, np.int64)
+    shift = 0
+    while shift < width:
+        digit = min(DIGIT_BITS, width - shift)
+        mask = np.uint64((1 << digit) - 1)
+        sh = np.uint64(shift)
+        shift += digit
+        hist[: 1 << digit] = 0
+        for j in range(k):
+            hist[(cur_key[j] >> sh) & mask] += 1
+        if hist[(cur_key[0] >> sh) & mask] == k:  # one digit value: pass is a no-op
+            continue
+        total = 0
+        for b in range(1 << digit):
+            c = hist[b]
+            hist[b] = total
+            total += c
+        for j in range(k):
+            b = (cur_key[j] >> sh) & mask
+            nxt_key[hist[b]] = cur_key[j]
+            nxt_idx[hist[b]] = cur_idx[j]
+            hist[b] += 1
+        cur_key, nxt_key = nxt_key, cur_key
+        cur_idx, nxt_idx = nxt_idx, cur_idx
+    idx[:] = cur_idx
+
+
+@njit(cache=True, parallel=True)
+def _topk_rows(bits, k, width, width_ones, sign, exp_mask, mant_mask, is_float, invert, do_sort, out):
+    n_rows, n = bits.shape
+    for r in prange(n_rows):
+        keys = np.empty(n, np.uint64)
+        row = bits[r]
+        for i in range(n):
+            keys[i] = sort_key(np.uint64(row[i]), width_ones, sign, exp_mask, mant_mask, is_float, invert)
+        if k == n:
+            for i in range(n):
+                out[r, i] = i
+        else:
+            thr, n_above = kth_largest(keys, k, width)
+            take_in_index_order(keys, k, thr, n_above, out[r])
+        if do_sort:
+            sort_by_key(keys, out[r], width)
+
+
+def topk_rows(rows: np.ndarray, k: int, largest: bool, sort_output: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k of each row of a C-contiguous 2-D array (see ``hyscale_core.topk``)."""
+    n_rows = rows.shape[0]
+    indices = np.empty((n_rows, k), dtype=np.int64)
+    if k > 0 and n_rows > 0:
+        spec = key_spec(rows.dtype)
+        _topk_rows(
+            rows.view(spec.bits_dtype), k, spec.width, np.uint64(spec.all_ones),
+            np.uint64(spec.sign), np.uint64(spec.exp_mask), np.uint64(spec.mant_mask),
+            spec.is_float, not largest, sort_output, indices,
+        )
+    return np.take_along_axis(rows, indices, axis=1), indices
