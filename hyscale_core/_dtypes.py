@@ -16,3 +16,8 @@ INDEXER_DTYPES = FLOAT_DTYPES
 
 def dtype_names(dtypes: tuple[np.dtype, ...]) -> str:
     return ", ".join(d.name for d in dtypes)
+
+
+def is_float(dtype) -> bool:
+    """Whether ``dtype`` is one of the float dtypes (bfloat16 has kind 'V')."""
+    return np.dtype(dtype) in FLOAT_DTYPES

@@ -106,5 +106,5 @@ def indexer_topk(q: Any, k: Any, w: Any, topk: int, *, causal: bool = True, q_po
     backend, q, k, w, lo, hi = _prepare(q, k, w, causal, q_pos, cu_seqlens)
     topk = check_int(topk, "topk", 0, MAX_TOPK)
     return_scores = _bool(return_scores, "return_scores")
-    indices, scores = _impl(backend).indexer_topk(q, k, w, topk, lo, hi)
+    indices, scores = _impl(backend).indexer_topk(q, k, w, topk, lo, hi, return_scores)
     return (indices, scores) if return_scores else indices

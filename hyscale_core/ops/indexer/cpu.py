@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..topk.cpu import kth_largest, sort_by_key, sort_key
 
@@ -113,8 +113,9 @@ def stream_tile(tile_bits, s0, k, buf_bits, buf_idx, count, thr):
 
 
 @njit(cache=True, nogil=True)
-def finish(buf_bits, buf_idx, count, k, out_idx, out_bits):
-    """Write each query's top-k, best first, padded with -1 / -inf bits."""
+def finish(buf_bits, buf_idx, count, k, out_idx, out_bits, want_scores):
+    """Write each query's top-k, best first, padded with -1 (and -inf bits
+    into ``out_bits`` when ``want_scores``)."""
     thr = np.empty(count.shape[0], np.uint64)
     for t in range(count.shape[0]):
         if count[t] > k:
@@ -128,10 +129,13 @@ def finish(buf_bits, buf_idx, count, k, out_idx, out_bits):
         sort_by_key(keys, order, 32)
         for j in range(c):
             out_idx[t, j] = buf_idx[t, order[j]]
-            out_bits[t, j] = buf_bits[t, order[j]]
         for j in range(c, k):
             out_idx[t, j] = -1
-            out_bits[t, j] = NEG_INF_BITS
+        if want_scores:
+            for j in range(c):
+                out_bits[t, j] = buf_bits[t, order[j]]
+            for j in range(c, k):
+                out_bits[t, j] = NEG_INF_BITS
 
 
 def _block_tiles(q_block: np.ndarray, k32: np.ndarray, w_block: np.ndarray, lo: np.ndarray, hi: np.ndarray
@@ -167,11 +171,11 @@ def indexer_scores(q, k, w, lo, hi) -> np.ndarray:
     return table
 
 
-def indexer_topk(q, k, w, topk: int, lo, hi) -> tuple[np.ndarray, np.ndarray]:
-    """``(indices int32 [Nq, topk], scores float32 [Nq, topk])``, streaming."""
+def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(indices int32 [Nq, topk], scores float32 [Nq, topk] or None)``, streaming."""
     n_q = q.shape[0]
     out_idx = np.empty((n_q, topk), dtype=np.int32)
-    out_bits = np.empty((n_q, topk), dtype=np.uint32)
+    out_bits = np.empty((n_q if want_scores else 1, topk), dtype=np.uint32)
     cap = 2 * topk + 64
     for t0, t1, tiles in _blocks(q, k, w, lo, hi):
         buf_bits = np.empty((t1 - t0, cap), dtype=np.uint32)
@@ -180,5 +184,6 @@ def indexer_topk(q, k, w, topk: int, lo, hi) -> tuple[np.ndarray, np.ndarray]:
         thr = np.full(t1 - t0, NEG_INF_KEY, dtype=np.uint64)
         for s0, _, tile in tiles:
             stream_tile(tile.view(np.uint32), s0, topk, buf_bits, buf_idx, count, thr)
-        finish(buf_bits, buf_idx, count, topk, out_idx[t0:t1], out_bits[t0:t1])
-    return out_idx, out_bits.view(np.float32)
+        scores_block = out_bits[t0:t1] if want_scores else out_bits
+        finish(buf_bits, buf_idx, count, topk, out_idx[t0:t1], scores_block, want_scores)
+    return out_idx, (out_bits.view(np.float32) if want_scores else None)

@@ -54,8 +54,8 @@ def indexer_scores(q, k, w, lo, hi):
     return table
 
 
-def indexer_topk(q, k, w, topk: int, lo, hi):
-    """``(indices int32 [Nq, topk], scores float32 [Nq, topk])`` on the device."""
+def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool):
+    """``(indices int32 [Nq, topk], scores float32 [Nq, topk] or None)`` on the device."""
     cp = cupy_module()
     n_q, n_k = q.shape[0], k.shape[0]
     indices = cp.full((n_q, topk), -1, dtype=cp.int32)
@@ -66,4 +66,4 @@ def indexer_topk(q, k, w, topk: int, lo, hi):
         masked = values == -cp.inf
         indices[t0:t1, :kept] = cp.where(masked, -1, picked).astype(cp.int32)
         scores[t0:t1, :kept] = values
-    return indices, scores
+    return indices, (scores if want_scores else None)

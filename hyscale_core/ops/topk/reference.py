@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from ..._dtypes import is_float
+
 
 def _rank(value, index: int, largest: bool) -> tuple:
     # NaN above +inf; -0.0 == +0.0 holds for Python floats already.
@@ -19,7 +21,7 @@ def _rank(value, index: int, largest: bool) -> tuple:
 
 def topk_rows(rows: np.ndarray, k: int, largest: bool, sort_output: bool) -> tuple[np.ndarray, np.ndarray]:
     """Top-k of each row of a 2-D array: ``(values [R, k], indices int64 [R, k])``."""
-    exact = rows.astype(np.float64) if rows.dtype.kind == "f" else rows.astype(np.int64)
+    exact = rows.astype(np.float64) if is_float(rows.dtype) else rows.astype(np.int64)
     indices = np.empty((rows.shape[0], k), dtype=np.int64)
     for r, row in enumerate(exact.tolist()):
         ranked = sorted(_rank(v, i, largest) for i, v in enumerate(row))

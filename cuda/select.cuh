@@ -1,0 +1,174 @@
+// Device pieces shared by the selection kernels: order-preserving keys,
+// block-wide scans, shared-memory histograms and a bitonic sort.
+//
+// Every function named block_* must be called by all threads of the block
+// (it contains __syncthreads); warp_* by all 32 lanes of a warp.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define FULL_MASK 0xffffffffu
+
+namespace hs {
+
+constexpr int DIGIT_BITS = 11;
+constexpr int MAX_BINS = 1 << DIGIT_BITS;
+constexpr int MAX_WARPS = 32;
+
+// Order-preserving key of raw bits (see hyscale_core/ops/topk/keys.py):
+// floats map every NaN above +inf and -0.0 onto +0.0; integers flip the sign
+// bit; `invert` complements the key for smallest-first selection.
+struct KeyCodec {
+    u64 ones, sign, exp_mask, mant_mask;
+    bool is_float, invert;
+
+    __device__ __forceinline__ u64 key(u64 bits) const {
+        u64 k;
+        if (is_float) {
+            if ((bits & exp_mask) == exp_mask && (bits & mant_mask) != 0) {
+                k = ones;
+            } else {
+                if (bits == sign) bits = 0;
+                k = (bits & sign) ? (~bits & ones) : (bits | sign);
+            }
+        } else {
+            k = bits ^ sign;
+        }
+        return invert ? (~k & ones) : k;
+    }
+};
+
+// key >> s, defined for s == 64 (gives 0).
+__device__ __forceinline__ u64 shr(u64 key, int s) { return s >= 64 ? 0ull : key >> s; }
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
+
+__device__ __forceinline__ u32 warp_inclusive_sum(u32 x) {
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        u32 y = __shfl_up_sync(FULL_MASK, x, d);
+        if (lane_id() >= d) x += y;
+    }
+    return x;
+}
+
+// Exclusive prefix sum of `x` in thread order; `*total` gets the block sum.
+// `scratch` holds MAX_WARPS + 1 words of shared memory.
+__device__ u32 block_exclusive_sum(u32 x, u32* scratch, u32* total) {
+    const int n_warps = (blockDim.x + 31) >> 5;
+    u32 inclusive = warp_inclusive_sum(x);
+    if (lane_id() == 31) scratch[warp_id()] = inclusive;
+    __syncthreads();
+    if (warp_id() == 0) {
+        u32 w = lane_id() < n_warps ? scratch[lane_id()] : 0u;
+        u32 w_incl = warp_inclusive_sum(w);
+        scratch[lane_id()] = w_incl - w;
+        if (lane_id() == 31) scratch[MAX_WARPS] = w_incl;
+    }
+    __syncthreads();
+    u32 result = scratch[warp_id()] + inclusive - x;
+    *total = scratch[MAX_WARPS];
+    __syncthreads();
+    return result;
+}
+
+template <typename T, typename Op>
+__device__ T block_reduce(T x, T* scratch, Op op) {
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) x = op(x, __shfl_xor_sync(FULL_MASK, x, d));
+    if (lane_id() == 0) scratch[warp_id()] = x;
+    __syncthreads();
+    const int n_warps = (blockDim.x + 31) >> 5;
+    T r = scratch[0];
+    for (int w = 1; w < n_warps; ++w) r = op(r, scratch[w]);
+    __syncthreads();
+    return r;
+}
+
+// Add one count to hist[bin] for every lane with `valid`; a warp whose valid
+// lanes all hit one bin adds once (sorted or constant data would otherwise
+// serialise 32 atomics on one address). All 32 lanes must call this.
+__device__ __forceinline__ void warp_histogram_add(u32* hist, u32 bin, bool valid) {
+    const u32 mine = valid ? bin : 0xffffffffu;
+    const u32 lo = __reduce_min_sync(FULL_MASK, mine);
+    const u32 hi = __reduce_max_sync(FULL_MASK, valid ? bin : 0u);
+    const u32 active = __ballot_sync(FULL_MASK, valid);
+    if (active == 0) return;
+    if (lo == hi) {
+        if (lane_id() == __ffs(active) - 1) atomicAdd(&hist[bin], (u32)__popc(active));
+    } else if (valid) {
+        atomicAdd(&hist[bin], 1u);
+    }
+}
+
+// A slot in a shared append buffer for every lane with `pred`, one atomic
+// per warp; lanes keep their lane order. All 32 lanes must call this.
+__device__ __forceinline__ u32 warp_append(u32* counter, bool pred) {
+    const u32 mask = __ballot_sync(FULL_MASK, pred);
+    if (mask == 0) return 0;
+    const int leader = __ffs(mask) - 1;
+    u32 base = 0;
+    if (lane_id() == leader) base = atomicAdd(counter, (u32)__popc(mask));
+    base = __shfl_sync(FULL_MASK, base, leader);
+    return base + (u32)__popc(mask & ((1u << lane_id()) - 1u));
+}
+
+// The bucket holding the `rank`-th largest element (rank counted from 1) of a
+// histogram of `n_bins` bins. Returns the bucket; `*above` gets the count in
+// higher buckets. Bins are dealt to threads from the top (thread 0 holds the
+// highest), so the exclusive prefix over threads counts everything above.
+__device__ int block_find_bucket(const u32* hist, int n_bins, u32 rank, u32* scratch,
+                                 u32* found, u32* above) {
+    const int per = (n_bins + blockDim.x - 1) / blockDim.x;
+    const int top = n_bins - 1 - threadIdx.x * per;  // highest bin of this thread
+    u32 mine = 0;
+    for (int j = 0; j < per; ++j)
+        if (top - j >= 0) mine += hist[top - j];
+    u32 total;
+    u32 before = block_exclusive_sum(mine, scratch, &total);
+    if (before < rank && rank <= before + mine) {
+        u32 acc = before;
+        for (int j = 0; j < per && top - j >= 0; ++j) {
+            u32 c = hist[top - j];
+            if (rank <= acc + c) {
+                found[0] = (u32)(top - j);
+                found[1] = acc;
+                break;
+            }
+            acc += c;
+        }
+    }
+    __syncthreads();
+    int bucket = (int)found[0];
+    *above = found[1];
+    __syncthreads();
+    return bucket;
+}
+
+// In-place bitonic sort of n (a power of two) (key, idx) pairs in shared
+// memory. by_key: key descending, then idx ascending; else idx ascending.
+template <typename K>
+__device__ void block_bitonic_sort(K* keys, u32* idx, int n, bool by_key) {
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int t = threadIdx.x; t < (n >> 1); t += blockDim.x) {
+                int i = 2 * stride * (t / stride) + (t % stride);
+                int j = i + stride;
+                bool ascending = ((i & size) == 0);
+                bool j_first = by_key ? (keys[j] > keys[i] || (keys[j] == keys[i] && idx[j] < idx[i]))
+                                      : (idx[j] < idx[i]);
+                if (j_first == ascending) {
+                    K tk = keys[i]; keys[i] = keys[j]; keys[j] = tk;
+                    u32 ti = idx[i]; idx[i] = idx[j]; idx[j] = ti;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+}  // namespace hs

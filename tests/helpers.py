@@ -1,0 +1,46 @@
+"""Test helpers: awkward inputs and backend conversion."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hyscale_core._backend import cupy_module
+from hyscale_core._dtypes import TOPK_DTYPES, is_float
+
+HAS_GPU = cupy_module() is not None
+
+AWKWARD_LENGTHS = (1, 7, 63, 300)
+
+SPECIAL_FLOATS = (0.0, -0.0, 1.0, -1.0, 0.5, np.inf, -np.inf, np.nan, 3.0, -3.0)
+
+
+def awkward_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    """Random values with many ties; for floats also NaN, +-inf and -0.0."""
+    dtype = np.dtype(dtype)
+    if is_float(dtype):
+        pool = np.array(SPECIAL_FLOATS + tuple(rng.standard_normal(6)), dtype=np.float64)
+        picks = pool[rng.integers(0, len(pool), size=shape)]
+        fresh = rng.standard_normal(shape) * 100
+        return np.where(rng.random(shape) < 0.5, picks, fresh).astype(dtype)
+    info = np.iinfo(dtype)
+    pool = np.array([0, 1, -1, info.min, info.max, 7, -7], dtype=dtype)
+    picks = pool[rng.integers(0, len(pool), size=shape)]
+    fresh = rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    return np.where(rng.random(shape) < 0.5, picks, fresh).astype(dtype)
+
+
+def topk_dtype_params():
+    return [pytest.param(d, id=d.name) for d in TOPK_DTYPES]
+
+
+def to_host(x):
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
+
+
+def same_bits(a, b) -> bool:
+    """Bitwise equality of two arrays (NaN payloads and -0.0 included)."""
+    a, b = to_host(a), to_host(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    return bool(np.array_equal(np.ascontiguousarray(a).view(width), np.ascontiguousarray(b).view(width)))

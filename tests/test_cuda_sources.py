@@ -1,0 +1,21 @@
+"""Every cuda/*.cu compiles with nvcc -arch=sm_90, where nvcc exists."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from hyscale_core.gpu.module import cuda_source_dir, source_files
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("source", [p.name for p in source_files()])
+def test_source_compiles(source, tmp_path):
+    folder = cuda_source_dir()
+    result = subprocess.run(
+        ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{folder}", "-c", str(folder / source), "-o", str(tmp_path / "out.o")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr.lower(), result.stderr

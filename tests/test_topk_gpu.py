@@ -1,0 +1,96 @@
+"""GPU top-k kernels: bitwise equal to the CPU backend on every path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hyscale_core as hs
+from helpers import awkward_array, same_bits, topk_dtype_params
+from hyscale_core._dtypes import bfloat16
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    from hyscale_core.ops.topk import gpu
+
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", True)
+
+
+def check_gpu_equals_cpu(a, k, largest=True, sort_output=True):
+    import cupy
+
+    cpu_values, cpu_indices = hs.topk(a, k, largest=largest, sorted=sort_output)
+    gpu_values, gpu_indices = hs.topk(cupy.asarray(a), k, largest=largest, sorted=sort_output)
+    assert isinstance(gpu_indices, cupy.ndarray)
+    np.testing.assert_array_equal(gpu_indices.get(), cpu_indices)
+    assert same_bits(gpu_values, cpu_values)
+
+
+def adversarial(kind: str, shape, dtype, rng):
+    if kind == "all_equal":
+        return np.full(shape, 1.5, dtype=np.float64).astype(dtype)
+    if kind == "few_distinct":
+        return rng.integers(-3, 4, size=shape).astype(dtype)
+    if kind == "ascending":
+        return np.sort(rng.standard_normal(shape), axis=-1).astype(dtype)
+    if kind == "descending":
+        return np.sort(rng.standard_normal(shape), axis=-1)[..., ::-1].astype(dtype)
+    if kind == "uniform":
+        return rng.random(shape).astype(dtype)
+    return awkward_array(rng, shape, dtype)
+
+
+# (rows, n, k) covering: one segment per row, segmented long rows, k above the
+# in-kernel sort, k = n, n not a multiple of the vector width, tiny rows.
+SHAPES = [(64, 1000, 100), (3, 300_001, 2048), (1, 1 << 20, 4096), (5, 20_000, 5000),
+          (300, 7, 7), (17, 333, 1), (2, 65_536, 65_535), (1000, 2048, 256)]
+
+
+@pytest.mark.parametrize("dtype", topk_dtype_params())
+@pytest.mark.parametrize("rows, n, k", SHAPES)
+def test_random_rows_match_cpu(dtype, rows, n, k):
+    rng = np.random.default_rng(rows * n + k)
+    a = adversarial("awkward", (rows, n), dtype, rng)
+    check_gpu_equals_cpu(a, k)
+    check_gpu_equals_cpu(a, k, largest=False, sort_output=False)
+
+
+@pytest.mark.parametrize("kind", ["all_equal", "few_distinct", "ascending", "descending", "uniform"])
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16, np.int64], ids=["float32", "bfloat16", "int64"])
+@pytest.mark.parametrize("rows, n, k", [(8, 131_072, 2048), (2, 1 << 20, 256), (256, 5000, 4096)])
+def test_adversarial_rows_match_cpu(kind, dtype, rows, n, k):
+    a = adversarial(kind, (rows, n), dtype, np.random.default_rng(0))
+    check_gpu_equals_cpu(a, k)
+    check_gpu_equals_cpu(a, k, sort_output=False)
+
+
+def test_row_of_two_to_the_24():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((1, 1 << 24)).astype(np.float32)
+    check_gpu_equals_cpu(a, 2048)
+
+
+def test_repeated_runs_are_bitwise_identical():
+    import cupy
+
+    a = cupy.asarray(adversarial("few_distinct", (512, 40_000), np.float32, np.random.default_rng(2)))
+    first_values, first_indices = hs.topk(a, 2048)
+    for _ in range(5):
+        values, indices = hs.topk(a, 2048)
+        assert same_bits(values, first_values) and same_bits(indices, first_indices)
+
+
+def test_bfloat16_through_dlpack_from_torch():
+    torch = pytest.importorskip("torch")
+    device_tensor = torch.randn(16, 5000, device="cuda").to(torch.bfloat16)
+    gpu_values, gpu_indices = hs.topk(device_tensor, 100)
+    host_tensor = device_tensor.cpu()
+    cpu_values, cpu_indices = hs.topk(host_tensor, 100)
+    assert isinstance(cpu_indices, np.ndarray) and cpu_values.dtype == bfloat16
+    assert gpu_values.dtype == bfloat16
+    np.testing.assert_array_equal(gpu_indices.get(), cpu_indices)
+    assert same_bits(gpu_values, cpu_values)
+    expect = torch.topk(host_tensor.float(), 100).values.to(torch.bfloat16).view(torch.int16).numpy()
+    np.testing.assert_array_equal(cpu_values.view(np.int16), expect)
