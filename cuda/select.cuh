@@ -18,15 +18,20 @@ constexpr int DIGIT_BITS = 11;
 constexpr int MAX_BINS = 1 << DIGIT_BITS;
 constexpr int MAX_WARPS = 32;
 
+// Keys are 32-bit for 16- and 32-bit data, 64-bit for 64-bit data.
+template <typename Bits> struct KeyOf { typedef u32 type; };
+template <> struct KeyOf<u64> { typedef u64 type; };
+
 // Order-preserving key of raw bits (see hyscale_core/ops/topk/keys.py):
 // floats map every NaN above +inf and -0.0 onto +0.0; integers flip the sign
 // bit; `invert` complements the key for smallest-first selection.
+template <typename K>
 struct KeyCodec {
-    u64 ones, sign, exp_mask, mant_mask;
+    K ones, sign, exp_mask, mant_mask;
     bool is_float, invert;
 
-    __device__ __forceinline__ u64 key(u64 bits) const {
-        u64 k;
+    __device__ __forceinline__ K key(K bits) const {
+        K k;
         if (is_float) {
             if ((bits & exp_mask) == exp_mask && (bits & mant_mask) != 0) {
                 k = ones;
@@ -41,8 +46,9 @@ struct KeyCodec {
     }
 };
 
-// key >> s, defined for s == 64 (gives 0).
-__device__ __forceinline__ u64 shr(u64 key, int s) { return s >= 64 ? 0ull : key >> s; }
+// key >> s, defined for s up to the key width (gives 0 there).
+template <typename K>
+__device__ __forceinline__ K shr(K key, int s) { return s >= (int)(8 * sizeof(K)) ? (K)0 : key >> s; }
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
@@ -89,20 +95,20 @@ __device__ T block_reduce(T x, T* scratch, Op op) {
     return r;
 }
 
-// Add one count to hist[bin] for every lane with `valid`; a warp whose valid
+// Add one count to hist[bin] for every lane with `valid`; a full warp whose
 // lanes all hit one bin adds once (sorted or constant data would otherwise
 // serialise 32 atomics on one address). All 32 lanes must call this.
 __device__ __forceinline__ void warp_histogram_add(u32* hist, u32 bin, bool valid) {
-    const u32 mine = valid ? bin : 0xffffffffu;
-    const u32 lo = __reduce_min_sync(FULL_MASK, mine);
-    const u32 hi = __reduce_max_sync(FULL_MASK, valid ? bin : 0u);
     const u32 active = __ballot_sync(FULL_MASK, valid);
     if (active == 0) return;
-    if (lo == hi) {
-        if (lane_id() == __ffs(active) - 1) atomicAdd(&hist[bin], (u32)__popc(active));
-    } else if (valid) {
-        atomicAdd(&hist[bin], 1u);
+    if (active == FULL_MASK) {
+        const u32 first = __shfl_sync(FULL_MASK, bin, 0);
+        if (__all_sync(FULL_MASK, bin == first)) {
+            if (lane_id() == 0) atomicAdd(&hist[first], 32u);
+            return;
+        }
     }
+    if (valid) atomicAdd(&hist[bin], 1u);
 }
 
 // A slot in a shared append buffer for every lane with `pred`, one atomic

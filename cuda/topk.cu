@@ -2,12 +2,13 @@
 //
 // One block owns one segment (a row, or a slice of a long row) at a time and
 // walks digit levels of DIGIT_BITS bits. A level is a key prefix: its members
-// are the keys whose high bits equal it. Each pass reads the members of the
-// previous level (from the row, or from a candidate buffer once they fit),
-// sends keys above the current level to the output, and histograms (and
-// buffers) the members of the current level; the histogram then picks the
-// bucket holding the k-th key. The walk ends early when a bucket is taken
-// whole, or when every member shares one key. Keys equal to the final
+// are the keys whose high bits equal it. The first pass histograms the top
+// digit of the whole segment. Every later pass reads the members of the
+// previous level (from the segment, or from a candidate buffer once they
+// fit), sends keys above the current level to the output, and histograms
+// (and buffers) the members of the current level; the histogram then picks
+// the bucket holding the k-th key. The walk ends early when a bucket is
+// taken whole, or when every member shares one key. Keys equal to the final
 // threshold are taken lowest index first, so the selected set never depends
 // on scheduling; slots are filled by atomics but a final sort on the unique
 // (key, index) order fixes the output order.
@@ -17,14 +18,16 @@ using namespace hs;
 
 namespace {
 
+constexpr int THREADS = 512;    // block size the entry points are built for
 constexpr int SORT_CAP = 4096;  // selections up to this size are sorted here
 constexpr int TIE_CAP = 4096;   // ties up to this many are ranked in shared memory
 
 enum Mode { CONTINUE = 0, ALL_TAKEN = 1, TIES = 2 };
 enum SortMode { BY_INDEX = 0, BY_KEY = 1, UNSORTED = 2 };
 
+template <typename K>
 struct Level {
-    u64 prefix;
+    K prefix;
     int shift;  // members: shr(key, shift) == prefix
 };
 
@@ -36,18 +39,48 @@ struct RowShared {
     u32 n_out, n_next, n_ties;
 };
 
-template <typename Bits>
-__device__ __forceinline__ Bits lane_of(const uint4& v, int u) {
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
-    if constexpr (sizeof(Bits) == 2) return (Bits)((w[u >> 1] >> (16 * (u & 1))) & 0xffffu);
-    else if constexpr (sizeof(Bits) == 4) return (Bits)w[u];
-    else return (Bits)(((u64)w[2 * u + 1] << 32) | w[2 * u]);
+// Rows are read in vectors of 4 elements (2 for 64-bit data): 8 or 16 bytes.
+template <typename Bits> struct Vec { typedef uint4 type; static constexpr int width = 4; };
+template <> struct Vec<u16> { typedef uint2 type; static constexpr int width = 4; };
+template <> struct Vec<u64> { typedef uint4 type; static constexpr int width = 2; };
+
+template <typename Bits, typename V>
+__device__ __forceinline__ Bits lane_of(const V& v, int u) {
+    if constexpr (sizeof(Bits) == 2) {
+        const u32 w = (u >> 1) ? v.y : v.x;
+        return (Bits)((w >> (16 * (u & 1))) & 0xffffu);
+    } else if constexpr (sizeof(Bits) == 4) {
+        return (Bits)(u == 0 ? v.x : u == 1 ? v.y : u == 2 ? v.z : v.w);
+    } else {
+        return u == 0 ? (((u64)v.y << 32) | v.x) : (((u64)v.w << 32) | v.z);
+    }
 }
 
-// One pass over the members of level `m`: classify against level `c`.
-template <typename Bits>
+template <typename K>
+__device__ __forceinline__ void track(K key, bool valid, K& kmin, K& kmax) {
+    if (valid) {
+        kmin = key < kmin ? key : kmin;
+        kmax = key > kmax ? key : kmax;
+    }
+}
+
+// First pass: histogram of the top digit of every key, and their range.
+template <typename K>
+struct TopDigit {
+    int shift;
+    u32* hist;
+    K kmin, kmax;
+
+    __device__ __forceinline__ void visit(K key, u32, bool valid) {
+        warp_histogram_add(hist, (u32)(key >> shift), valid);
+        track(key, valid, kmin, kmax);
+    }
+};
+
+// A later pass over the members of level `m`, classified against level `c`.
+template <typename Bits, typename K>
 struct Pass {
-    Level m, c;
+    Level<K> m, c;
     int mode, digit;
     bool check_m, write_buf;
     Bits* dst_key;
@@ -58,12 +91,12 @@ struct Pass {
     Bits* tie_key;
     u32* tie_idx;
     RowShared* sh;
-    u64 kmin, kmax;
+    K kmin, kmax;
 
     // All 32 lanes of every warp call this in step.
-    __device__ __forceinline__ void visit(u64 key, u32 idx, bool valid) {
+    __device__ __forceinline__ void visit(K key, u32 idx, bool valid) {
         if (check_m) valid = valid && shr(key, m.shift) == m.prefix;
-        const u64 hi = shr(key, c.shift);
+        const K hi = shr(key, c.shift);
         const bool member = valid && hi == c.prefix;
         const bool to_out = (valid && hi > c.prefix) || (member && mode == ALL_TAKEN);
         const u32 slot = warp_append(&sh->n_out, to_out);
@@ -72,7 +105,7 @@ struct Pass {
             out_idx[slot] = idx;
         }
         if (mode == CONTINUE) {
-            const u32 bin = (u32)((key >> (c.shift - digit)) & ((1ull << digit) - 1));
+            const u32 bin = (u32)((key >> (c.shift - digit)) & (((K)1 << digit) - 1));
             warp_histogram_add(sh->hist, bin, member);
             if (write_buf) {
                 const u32 s = warp_append(&sh->n_next, member);
@@ -81,10 +114,7 @@ struct Pass {
                     dst_idx[s] = idx;
                 }
             }
-            if (member) {
-                kmin = key < kmin ? key : kmin;
-                kmax = key > kmax ? key : kmax;
-            }
+            track(key, member, kmin, kmax);
         } else if (mode == TIES) {
             const u32 s = warp_append(&sh->n_ties, member);
             if (member && s < TIE_CAP) {
@@ -95,50 +125,52 @@ struct Pass {
     }
 };
 
-// Visit every element of a row in index order. Aligned rows are read as
-// 16-byte vectors, the next one loaded while the current one is visited.
-template <typename Bits, typename Visitor>
-__device__ void visit_row(const Bits* row, i64 len, const KeyCodec& codec, Visitor& v) {
-    constexpr int V = 16 / sizeof(Bits);
+// Visit every element of a row in index order. Aligned rows are read in
+// vectors, the next one loaded while the current one is visited.
+template <typename Bits, typename K, typename Visitor>
+__device__ void visit_row(const Bits* row, i64 len, const KeyCodec<K>& codec, Visitor& v) {
+    typedef typename Vec<Bits>::type VecT;
+    constexpr int W = Vec<Bits>::width;
     i64 done = 0;
-    if ((reinterpret_cast<size_t>(row) & 15) == 0) {
-        const uint4* vec = reinterpret_cast<const uint4*>(row);
-        const i64 n_vec = len / V;
+    if ((reinterpret_cast<size_t>(row) & (sizeof(VecT) - 1)) == 0) {
+        const VecT* vec = reinterpret_cast<const VecT*>(row);
+        const i64 n_vec = len / W;
         i64 i = threadIdx.x;
-        uint4 cur = i < n_vec ? __ldcs(vec + i) : make_uint4(0, 0, 0, 0);
+        VecT cur = i < n_vec ? __ldg(vec + i) : VecT{};
         for (i64 base = 0; base < n_vec; base += blockDim.x, i += blockDim.x) {
             const i64 next = i + blockDim.x;
-            const uint4 nxt = next < n_vec ? __ldcs(vec + next) : make_uint4(0, 0, 0, 0);
+            const VecT nxt = next < n_vec ? __ldg(vec + next) : VecT{};
             #pragma unroll
-            for (int u = 0; u < V; ++u) v.visit(codec.key(lane_of<Bits>(cur, u)), (u32)(i * V + u), i < n_vec);
+            for (int u = 0; u < W; ++u)
+                v.visit(codec.key((K)lane_of<Bits>(cur, u)), (u32)(i * W + u), i < n_vec);
             cur = nxt;
         }
-        done = n_vec * V;
+        done = n_vec * W;
     }
     for (i64 base = done; base < len; base += blockDim.x) {
         const i64 j = base + threadIdx.x;
         const bool valid = j < len;
-        v.visit(valid ? codec.key(row[j]) : 0ull, (u32)j, valid);
+        v.visit(valid ? codec.key((K)row[j]) : (K)0, (u32)j, valid);
     }
 }
 
-template <typename Bits, typename Visitor>
+template <typename Bits, typename K, typename Visitor>
 __device__ void visit_buffer(const Bits* keys, const u32* idx, u32 count, Visitor& v) {
     for (u32 base = 0; base < count; base += blockDim.x) {
         const u32 i = base + threadIdx.x;
         const bool valid = i < count;
-        v.visit(valid ? (u64)keys[i] : 0ull, valid ? idx[i] : 0u, valid);
+        v.visit(valid ? (K)keys[i] : (K)0, valid ? idx[i] : 0u, valid);
     }
 }
 
 // Take the `need` lowest indices whose key equals `thr`, scanning in index order.
-template <typename Bits>
-__device__ void take_ties_in_order(const Bits* row, i64 len, const KeyCodec& codec, u64 thr, u32 need,
+template <typename Bits, typename K>
+__device__ void take_ties_in_order(const Bits* row, i64 len, const KeyCodec<K>& codec, K thr, u32 need,
                                    Bits* out_key, u32* out_idx, u32 out_base, RowShared& sh) {
     u32 taken = 0;
     for (i64 base = 0; base < len && taken < need; base += blockDim.x) {
         const i64 i = base + threadIdx.x;
-        const bool tie = i < len && codec.key(row[i]) == thr;
+        const bool tie = i < len && codec.key((K)row[i]) == thr;
         u32 total;
         const u32 pos = block_exclusive_sum(tie ? 1u : 0u, sh.scratch, &total);
         if (tie && taken + pos < need) {
@@ -151,7 +183,7 @@ __device__ void take_ties_in_order(const Bits* row, i64 len, const KeyCodec& cod
 
 // Of the n <= TIE_CAP ties gathered in shared memory, take the `need` lowest.
 template <typename Bits>
-__device__ void take_ties_from_shared(Bits* tie_key, u32* tie_idx, u32 n, u32 need, u64 thr, Bits* out_key,
+__device__ void take_ties_from_shared(Bits* tie_key, u32* tie_idx, u32 n, u32 need, Bits thr, Bits* out_key,
                                       u32* out_idx, u32 out_base) {
     int n_pad = 1;
     while (n_pad < (int)n) n_pad <<= 1;
@@ -159,7 +191,7 @@ __device__ void take_ties_from_shared(Bits* tie_key, u32* tie_idx, u32 n, u32 ne
     __syncthreads();
     block_bitonic_sort(tie_key, tie_idx, n_pad, false);
     for (u32 j = threadIdx.x; j < need; j += blockDim.x) {
-        out_key[out_base + j] = (Bits)thr;
+        out_key[out_base + j] = thr;
         out_idx[out_base + j] = tie_idx[j];
     }
     __syncthreads();
@@ -192,66 +224,84 @@ __device__ void write_result(const Bits* row, const Bits* out_key, const u32* ou
     }
 }
 
-// Select the top k of one segment into out_key/out_idx (k slots, any order).
-template <typename Bits>
-__device__ void select_segment(const Bits* row, i64 len, u32 k, const KeyCodec& codec, int width,
+template <typename K>
+__device__ __forceinline__ K block_min(K x, RowShared& sh) {
+    return (K)block_reduce((u64)x, sh.reduce, [](u64 a, u64 b) { return a < b ? a : b; });
+}
+
+template <typename K>
+__device__ __forceinline__ K block_max(K x, RowShared& sh) {
+    return (K)block_reduce((u64)x, sh.reduce, [](u64 a, u64 b) { return a > b ? a : b; });
+}
+
+// Select the top k (< len) of one segment into out_key/out_idx (any order).
+template <typename Bits, typename K>
+__device__ void select_segment(const Bits* row, i64 len, u32 k, const KeyCodec<K>& codec, int width,
                                Bits* buf_key, u32* buf_idx, u32 cap, Bits* out_key, u32* out_idx,
                                Bits* tie_key, u32* tie_idx, RowShared& sh) {
-    Level m = {0ull, width}, c = {0ull, width};
-    int mode = CONTINUE;
-    int src = -1;            // -1: the row; 0/1: that half of the candidate buffer
-    u64 c_size = (u64)len;   // members of level c
-    u32 src_count = 0;
-    u32 k_rem = k;
+    for (int i = threadIdx.x; i < MAX_BINS; i += blockDim.x) sh.hist[i] = 0;
     if (threadIdx.x == 0) sh.n_out = 0;
+    __syncthreads();
+    const int top = min(DIGIT_BITS, width);
+    TopDigit<K> first{width - top, sh.hist, (K)~(K)0, (K)0};
+    visit_row(row, len, codec, first);
+    __syncthreads();
+
+    Level<K> m = {(K)0, width}, c = {(K)0, width};
+    int mode = CONTINUE, digit = top;
+    int written = -1;       // candidate-buffer half holding the members of c, or -1
+    u64 c_size = (u64)len;  // members of level c
+    u32 k_rem = k;
+    K kmin = block_min(first.kmin, sh), kmax = block_max(first.kmax, sh);
     for (;;) {
-        const int digit = mode == CONTINUE ? min(DIGIT_BITS, c.shift) : 0;
+        // The histogram holds the members of c: pick the bucket of the k-th key.
+        u32 above;
+        const int bucket = block_find_bucket(sh.hist, 1 << digit, k_rem, sh.scratch, sh.found, &above);
+        k_rem -= above;
+        const u64 count = sh.hist[bucket];
+        const int src = written;  // -1: read the segment itself
+        const u32 src_count = (u32)c_size;
+        m = c;
+        c = kmin == kmax ? Level<K>{kmin, 0} : Level<K>{(K)((c.prefix << digit) | (K)bucket), c.shift - digit};
+        c_size = count;
+        mode = count == k_rem ? ALL_TAKEN : (c.shift == 0 ? TIES : CONTINUE);
+
+        // Pass over the members of m, classified against the new c.
+        digit = mode == CONTINUE ? min(DIGIT_BITS, c.shift) : 0;
         const bool write_buf = mode == CONTINUE && c_size <= cap;
         const int dst = src == 0 ? 1 : 0;
+        __syncthreads();
         for (int i = threadIdx.x; i < (1 << digit); i += blockDim.x) sh.hist[i] = 0;
         if (threadIdx.x == 0) sh.n_next = sh.n_ties = 0;
         __syncthreads();
-        Pass<Bits> p{m, c, mode, digit, src == -1 && m.shift < width, write_buf,
-                     buf_key + (size_t)dst * cap, buf_idx + (size_t)dst * cap, out_key, out_idx, k,
-                     tie_key, tie_idx, &sh, ~0ull, 0ull};
+        Pass<Bits, K> p{m, c, mode, digit, src == -1 && m.shift < width, write_buf,
+                        buf_key + (size_t)dst * cap, buf_idx + (size_t)dst * cap, out_key, out_idx, k,
+                        tie_key, tie_idx, &sh, (K)~(K)0, (K)0};
         if (src == -1) visit_row(row, len, codec, p);
-        else visit_buffer(buf_key + (size_t)src * cap, buf_idx + (size_t)src * cap, src_count, p);
+        else visit_buffer<Bits, K>(buf_key + (size_t)src * cap, buf_idx + (size_t)src * cap, src_count, p);
         __syncthreads();
         if (mode != CONTINUE) break;
-
-        u32 above;
-        const int bucket = block_find_bucket(sh.hist, 1 << digit, k_rem, sh.scratch, sh.found, &above);
-        const u64 kmin = block_reduce(p.kmin, sh.reduce, [](u64 a, u64 b) { return a < b ? a : b; });
-        const u64 kmax = block_reduce(p.kmax, sh.reduce, [](u64 a, u64 b) { return a > b ? a : b; });
-        k_rem -= above;
-        const u64 count = sh.hist[bucket];
-        m = c;
-        c = kmin == kmax ? Level{kmin, 0} : Level{(c.prefix << digit) | (u64)bucket, c.shift - digit};
-        if (write_buf) {
-            src = dst;
-            src_count = (u32)c_size;
-        } else {
-            src = -1;
-        }
-        c_size = count;
-        mode = count == k_rem ? ALL_TAKEN : (c.shift == 0 ? TIES : CONTINUE);
-        __syncthreads();
+        kmin = block_min(p.kmin, sh);
+        kmax = block_max(p.kmax, sh);
+        written = write_buf ? dst : -1;
     }
     if (mode == TIES) {
         const u32 base = sh.n_out;
         const u32 n_ties = sh.n_ties;
         __syncthreads();
-        if (n_ties <= TIE_CAP) take_ties_from_shared(tie_key, tie_idx, n_ties, k_rem, c.prefix, out_key, out_idx, base);
-        else take_ties_in_order(row, len, codec, c.prefix, k_rem, out_key, out_idx, base, sh);
+        if (n_ties <= TIE_CAP)
+            take_ties_from_shared(tie_key, tie_idx, n_ties, k_rem, (Bits)c.prefix, out_key, out_idx, base);
+        else
+            take_ties_in_order(row, len, codec, c.prefix, k_rem, out_key, out_idx, base, sh);
     }
     __syncthreads();
 }
 
 template <typename Bits>
 __device__ void topk_segments(const Bits* base, i64 row_len, i64 seg_len, int segs_per_row, int n_segments,
-                              int k, const KeyCodec& codec, int width, Bits* buf_key, u32* buf_idx, int cap,
-                              Bits* out_key_all, u32* out_idx_all, int sort_mode, i64* final_idx,
-                              Bits* final_val, i64 out_row_stride) {
+                              int k, const KeyCodec<typename KeyOf<Bits>::type>& codec, int width,
+                              Bits* buf_key, u32* buf_idx, int cap, Bits* out_key_all, u32* out_idx_all,
+                              int sort_mode, i64* final_idx, Bits* final_val, i64 out_row_stride) {
     __shared__ RowShared sh;
     extern __shared__ __align__(16) unsigned char work[];
     Bits* work_key = reinterpret_cast<Bits*>(work);
@@ -268,7 +318,7 @@ __device__ void topk_segments(const Bits* base, i64 row_len, i64 seg_len, int se
         const u32 k_eff = (u32)min((i64)k, len);
         if (k_eff == len) {
             for (i64 i = threadIdx.x; i < len; i += blockDim.x) {
-                out_key[i] = (Bits)codec.key(row[i]);
+                out_key[i] = (Bits)codec.key((typename KeyOf<Bits>::type)row[i]);
                 out_idx[i] = (u32)i;
             }
             __syncthreads();
@@ -286,12 +336,13 @@ __device__ void topk_segments(const Bits* base, i64 row_len, i64 seg_len, int se
 }  // namespace
 
 #define HS_TOPK_ENTRY(NAME, BITS, WIDTH)                                                                   \
-    extern "C" __global__ void __launch_bounds__(1024)                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                                \
     NAME(const BITS* base, i64 row_len, i64 seg_len, int segs_per_row, int n_segments, int k, u64 ones,     \
          u64 sign, u64 exp_mask, u64 mant_mask, int is_float, int invert, BITS* buf_key, u32* buf_idx,      \
          int cap, BITS* out_key, u32* out_idx, int sort_mode, i64* final_idx, BITS* final_val,              \
          i64 out_row_stride) {                                                                              \
-        const KeyCodec codec{ones, sign, exp_mask, mant_mask, is_float != 0, invert != 0};                   \
+        typedef KeyOf<BITS>::type K;                                                                        \
+        const KeyCodec<K> codec{(K)ones, (K)sign, (K)exp_mask, (K)mant_mask, is_float != 0, invert != 0};   \
         topk_segments<BITS>(base, row_len, seg_len, segs_per_row, n_segments, k, codec, WIDTH, buf_key,    \
                             buf_idx, cap, out_key, out_idx, sort_mode, final_idx, final_val,               \
                             out_row_stride);                                                              \

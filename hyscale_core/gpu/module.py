@@ -94,15 +94,26 @@ def _load(name: str, device_id: int, defines: tuple[str, ...]):
         return cp.RawModule(path=str(image_path))
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel(module: str, name: str, device_id: int, defines: tuple[str, ...], dynamic_smem: int):
+    kernel = _load(module, device_id, defines).get_function(name)
+    if dynamic_smem > 0:
+        kernel.max_dynamic_shared_size_bytes = dynamic_smem
+    return kernel
+
+
 def get_kernel(module: str, name: str, dynamic_smem: int = 0, defines: tuple[str, ...] = ()):
     """Kernel ``name`` of ``cuda/<module>.cu`` on the current device.
 
     ``defines`` (``"NAME=VALUE"``) select what the translation unit builds;
-    each distinct set is compiled once. ``dynamic_smem`` above the 48 KiB
-    default raises the kernel's limit first.
+    each distinct set is compiled once. The kernel may use ``dynamic_smem``
+    bytes of dynamic shared memory (its limit is raised to that).
     """
     cp = cupy_module()
-    kernel = _load(module, cp.cuda.Device().id, tuple(defines)).get_function(name)
-    if dynamic_smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < dynamic_smem:
-        kernel.max_dynamic_shared_size_bytes = dynamic_smem
-    return kernel
+    return _kernel(module, name, cp.cuda.Device().id, tuple(defines), int(dynamic_smem))
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device_id: int) -> int:
+    """Streaming multiprocessors of a device."""
+    return int(cupy_module().cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])

@@ -1,39 +1,42 @@
 """GPU backend of ``topk``: the radix-select kernels of ``cuda/topk.cu``.
 
 Rows are cut into segments that one block each selects from (a persistent
-grid walks the segments). Many rows: one segment per row. Few long rows: a
-row is cut into several segments so every multiprocessor works; their
-top-k candidates (emitted in index order, so position order is index order)
-form a shorter row that is selected again. Selections larger than the
-kernel's in-block sort (``SORT_CAP``) are ordered afterwards by CuPy's sort.
+grid walks the segments). A row longer than ``SEGMENT_BYTES`` (or one of
+too few rows to fill the GPU) is cut into several segments: each segment is
+small enough that its later passes re-read it from the L2 cache, and the
+segments' top-k candidates, emitted in index order (so position order is
+index order), form a shorter row that one more launch selects from.
+Selections larger than the kernel's in-block sort (``SORT_CAP``) are ordered
+afterwards by CuPy's sort.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..._backend import cupy_module
-from ...gpu.module import get_kernel
+from ...gpu.module import get_kernel, multiprocessor_count
 from . import gpu_sort
 from .keys import key_spec, sortable_keys
 
 SORT_CAP = 4096  # cuda/topk.cu: SORT_CAP (also its tie buffer)
+THREADS = 512  # cuda/topk.cu: THREADS, two blocks per multiprocessor
 BY_INDEX, BY_KEY, UNSORTED = 0, 1, 2
+SEGMENT_BYTES = 128 << 10  # a resident block's segment stays in L2 between passes
+MAX_CANDIDATES = 1 << 16  # the second stage's row length, at most
 MAX_CAP = 1 << 16  # candidate-buffer entries per block, at most
 POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
 
 _KERNELS = {16: "topk_select_u16", 32: "topk_select_u32", 64: "topk_select_u64"}
 
 
-def _threads(seg_len: int) -> int:
-    return 1024 if seg_len >= 32768 else 512 if seg_len >= 4096 else 256
-
-
-def _segments(cp, n_rows: int, n: int, k: int) -> int:
-    """Segments per row: 1 unless few long rows would leave multiprocessors idle."""
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    if n_rows >= sms or n < 8 * k or n < 1 << 15:
+def _segments(n_rows: int, n: int, k: int, itemsize: int) -> int:
+    """Segments per row: enough to keep segments in L2 and every SM busy."""
+    min_len = 8 * k  # candidates shrink the row at least eightfold
+    if n < 2 * min_len:
         return 1
-    return int(max(1, min(-(-2 * sms // n_rows), n // (4 * k))))
+    by_cache = -(-n * itemsize // SEGMENT_BYTES)
+    by_sms = -(-2 * multiprocessor_count(cupy_module().cuda.Device().id) // n_rows)
+    return int(max(1, min(max(by_cache, by_sms), n // min_len, MAX_CANDIDATES // k)))
 
 
 def _select(cp, rows, k: int, largest: bool, sort_mode: int, segs: int):
@@ -51,9 +54,9 @@ def _select(cp, rows, k: int, largest: bool, sort_mode: int, segs: int):
     last = n - (segs - 1) * seg_len
     width = (segs - 1) * k + min(k, last)
     n_segments = n_rows * segs
-    threads = _threads(seg_len)
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    grid = min(n_segments, sms * (2048 // threads))
+    threads = THREADS if seg_len >= 4096 else THREADS // 2
+    sms = multiprocessor_count(cp.cuda.Device().id)
+    grid = min(n_segments, sms * (1024 // threads))
     cap = int(min(max(seg_len // 4, 256), seg_len, MAX_CAP))
     buf_key = cp.empty(grid * 2 * cap, dtype=spec.bits_dtype)
     buf_idx = cp.empty(grid * 2 * cap, dtype=cp.uint32)
@@ -103,10 +106,11 @@ def topk_rows(rows, k: int, largest: bool, sort_output: bool):
     if k > SORT_CAP:
         indices, values = _select(cp, rows, k, largest, UNSORTED, 1)
         return _order_large(cp, indices, values, largest, sort_output)
-    segs = _segments(cp, n_rows, n, k)
+    sort_mode = BY_KEY if sort_output else BY_INDEX
+    segs = _segments(n_rows, n, k, rows.dtype.itemsize)
     if segs == 1:
-        indices, values = _select(cp, rows, k, largest, BY_KEY if sort_output else BY_INDEX, 1)
+        indices, values = _select(cp, rows, k, largest, sort_mode, 1)
         return values, indices
     cand_idx, cand_val = _select(cp, rows, k, largest, BY_INDEX, segs)
-    values, positions = topk_rows(cand_val, k, largest, sort_output)
+    positions, values = _select(cp, cand_val, k, largest, sort_mode, 1)
     return values, cp.take_along_axis(cand_idx, positions, axis=1)
