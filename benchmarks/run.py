@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["topk_cpu", "indexer_cpu", "topk_gpu"]
+BENCHMARKS = ["topk_cpu", "indexer_cpu", "topk_gpu", "indexer_gpu"]
 
 
 def main() -> None:

@@ -155,6 +155,39 @@ __device__ int block_find_bucket(const u32* hist, int n_bins, u32 rank, u32* scr
     return bucket;
 }
 
+// The rank-th largest (rank from 1) of the 32-bit values key_of(i) over the
+// i < n with member(i); `*above` gets how many such values exceed it. An
+// MSB-first radix select with DIGIT_BITS-bit digits, one pass per digit.
+// `hist` holds MAX_BINS words, `scratch` MAX_WARPS + 1, `found` 2.
+template <typename KeyFn, typename MemberFn>
+__device__ u32 block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank, u32* hist, u32* scratch,
+                                 u32* found, u32* above) {
+    u32 prefix = 0, above_total = 0;
+    int resolved = 0;  // high bits fixed so far
+    while (resolved < 32) {
+        const int digit = min(DIGIT_BITS, 32 - resolved);
+        const int shift = 32 - resolved - digit;
+        for (int i = threadIdx.x; i < (1 << digit); i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (u32 base = 0; base < n; base += blockDim.x) {
+            const u32 i = base + threadIdx.x;
+            const bool valid = i < n && member(i);
+            const u32 key = valid ? key_of(i) : 0u;
+            const bool in_prefix = valid && (resolved == 0 || (key >> (32 - resolved)) == prefix);
+            warp_histogram_add(hist, (key >> shift) & ((1u << digit) - 1), in_prefix);
+        }
+        __syncthreads();
+        u32 above_here;
+        const int bucket = block_find_bucket(hist, 1 << digit, rank, scratch, found, &above_here);
+        rank -= above_here;
+        above_total += above_here;
+        prefix = (prefix << digit) | (u32)bucket;
+        resolved += digit;
+    }
+    *above = above_total;
+    return prefix;
+}
+
 // In-place bitonic sort of n (a power of two) (key, idx) pairs in shared
 // memory. by_key: key descending, then idx ascending; else idx ascending.
 template <typename K>

@@ -44,3 +44,20 @@ def same_bits(a, b) -> bool:
         return False
     width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
     return bool(np.array_equal(np.ascontiguousarray(a).view(width), np.ascontiguousarray(b).view(width)))
+
+
+def selection_agrees_up_to_tolerance(selection, ref_scores, topk, rel_tol):
+    """Sets agree except among keys whose reference score is within tol of the k-th."""
+    for t in range(ref_scores.shape[0]):
+        row = ref_scores[t]
+        visible = np.flatnonzero(np.isfinite(row))
+        chosen = set(int(s) for s in selection[t] if s >= 0)
+        if len(visible) <= topk:
+            assert chosen == set(visible.tolist())
+            continue
+        kth = np.sort(row[visible])[::-1][topk - 1]
+        tol = rel_tol * max(np.abs(row[visible]).max(), 1e-30)
+        sure_in = set(visible[row[visible] > kth + tol].tolist())
+        maybe = set(visible[np.abs(row[visible] - kth) <= tol].tolist())
+        assert sure_in <= chosen <= sure_in | maybe
+        assert len(chosen) == topk

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import same_bits, to_host
+from helpers import same_bits, selection_agrees_up_to_tolerance, to_host
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.indexer import reference
 from hyscale_core.ops.indexer.ranges import candidate_ranges
@@ -115,23 +115,6 @@ def test_low_precision_inputs(backend, dtype):
     np.testing.assert_array_equal(
         to_host(hs.indexer_topk(*args, 32)), materialised_selection(hs.indexer_scores(*args), 32)
     )
-
-
-def selection_agrees_up_to_tolerance(selection, ref_scores, topk, rel_tol):
-    """Sets agree except among keys whose reference score is within tol of the k-th."""
-    for t in range(ref_scores.shape[0]):
-        row = ref_scores[t]
-        visible = np.flatnonzero(np.isfinite(row))
-        chosen = set(int(s) for s in selection[t] if s >= 0)
-        if len(visible) <= topk:
-            assert chosen == set(visible.tolist())
-            continue
-        kth = np.sort(row[visible])[::-1][topk - 1]
-        tol = rel_tol * max(np.abs(row[visible]).max(), 1e-30)
-        sure_in = set(visible[row[visible] > kth + tol].tolist())
-        maybe = set(visible[np.abs(row[visible] - kth) <= tol].tolist())
-        assert sure_in <= chosen <= sure_in | maybe
-        assert len(chosen) == topk
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -20,8 +20,10 @@ MAX_TOPK = 1 << 20
 _PRECISION = """
     Precision: q, k and w are read in their own dtype (float16, bfloat16,
     float32; float64 is rounded to float32) and every product and sum runs in
-    float32 with float32 accumulation. The CPU backend uses NumPy's BLAS for
-    the dot products; the GPU backend computes the same float32 function.
+    float32 with float32 accumulation; relu(NaN) = 0. The CPU backend uses
+    NumPy's BLAS for the dot products. The GPU backend uses tensor cores:
+    bfloat16 and float16 inputs as they are, float32 and float64 inputs
+    rounded to bfloat16 first, products accumulated in float32.
 """
 
 

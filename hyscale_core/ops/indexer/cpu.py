@@ -49,7 +49,7 @@ def weighted_relu(logits, w, lo, hi, s0, out):
             row = logits[t * n_heads + h]
             for s in range(n_s):
                 x = row[s]
-                acc[s] += wh * (zero if x <= zero else x)
+                acc[s] += wh * (x if x > zero else zero)  # relu(NaN) = 0, like fmaxf
         for s in range(n_s):
             if s0 + s < lo[t] or s0 + s >= hi[t]:
                 acc[s] = neg_inf

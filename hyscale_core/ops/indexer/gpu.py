@@ -1,69 +1,96 @@
-"""GPU backend of the indexer, built from CuPy primitives.
+"""GPU backend of the indexer: the fused kernels of ``cuda/indexer.cu``.
 
-Queries go in blocks of ``Q_BLOCK``; a block's scores are produced key tile
-by key tile (cuBLAS float32 products, CuPy ReLU and head sum) into a panel
-[Q_BLOCK, Nk], from which ``indexer_scores`` fills the table and
-``indexer_topk`` selects with the GPU ``topk``. Both use the same tile code
-on the same shapes, so their scores are bitwise identical.
+Both ``indexer_scores`` and ``indexer_topk`` run the same tile code (wgmma
+bf16/fp16 products with float32 accumulation, ReLU, head-weighted sum), so
+the streaming selection is bitwise identical to ``topk`` of the table.
+Shapes the kernel is not built for (H not dividing 256, D not a multiple of
+64, topk beyond the in-kernel sort) go to ``gpu_fallback``.
+
+Precision: bfloat16 and float16 inputs are used as they are; float32 and
+float64 inputs are rounded to bfloat16 first. Products and sums run in
+float32. ReLU maps NaN to 0.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..._backend import cupy_module
-from ..topk import gpu as topk_gpu
+from ..._dtypes import bfloat16
+from ...gpu.module import get_kernel, multiprocessor_count
+from . import gpu_fallback
 
-Q_BLOCK = 256
-K_TILE = 8192
-
-
-def _panel(cp, q_block, k32, w_block, lo, hi):
-    """float32 [T, Nk] scores of one query block, -inf outside [lo, hi)."""
-    n_t, n_heads, dim = q_block.shape
-    n_k = k32.shape[0]
-    queries = q_block.astype(cp.float32).reshape(-1, dim)
-    panel = cp.full((n_t, n_k), -cp.inf, dtype=cp.float32)
-    first, last = int(lo.min()), int(hi.max())
-    lo_d, hi_d = cp.asarray(lo)[:, None], cp.asarray(hi)[:, None]
-    for s0 in range((first // K_TILE) * K_TILE, last, K_TILE):
-        s1 = min(s0 + K_TILE, n_k)
-        if not np.any((lo < s1) & (hi > s0)):
-            continue
-        logits = (queries @ k32[s0:s1].T).reshape(n_t, n_heads, s1 - s0)
-        tile = (w_block[:, :, None] * cp.maximum(logits, 0)).sum(axis=1)
-        s = cp.arange(s0, s1)[None, :]
-        panel[:, s0:s1] = cp.where((s >= lo_d) & (s < hi_d), tile, -cp.inf)
-    return panel
+QROWS, KT, STAGES = 256, 64, 2  # cuda/indexer.cu
+CTAS_PER_SM = 2
+POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
 
 
-def _panels(q, k, w, lo, hi):
-    cp = cupy_module()
-    k32 = cp.ascontiguousarray(k, dtype=cp.float32)
-    w32 = cp.ascontiguousarray(w, dtype=cp.float32)
-    for t0 in range(0, q.shape[0], Q_BLOCK):
-        t1 = min(t0 + Q_BLOCK, q.shape[0])
-        yield t0, t1, _panel(cp, q[t0:t1], k32, w32[t0:t1], lo[t0:t1], hi[t0:t1])
+def _config(q, topk: int | None):
+    """Compile-time configuration of the fused kernel, or None if unsupported."""
+    _, heads, dim = q.shape
+    if heads < 8 or QROWS % heads or dim % 64 or dim > 256:
+        return None
+    sort_cap = STAGES * KT * dim * 2 // 8
+    if topk is not None and topk > sort_cap:
+        return None
+    f16 = np.dtype(q.dtype) == np.float16
+    defines = (f"HS_IDX_HEADS={heads}", f"HS_IDX_DIM={dim}", f"HS_IDX_F16={int(f16)}")
+    smem = QROWS * dim * 2 + STAGES * KT * dim * 2 + QROWS * 4
+    return defines, smem, QROWS // heads, (np.float16 if f16 else bfloat16)
+
+
+def _operands(cp, q, k, w, lo, hi, in_dtype):
+    q16 = cp.ascontiguousarray(q, dtype=in_dtype)
+    k16 = cp.ascontiguousarray(k, dtype=in_dtype)
+    return (q16.view(cp.uint16), k16.view(cp.uint16), cp.ascontiguousarray(w, dtype=cp.float32),
+            cp.asarray(lo, dtype=cp.int32), cp.asarray(hi, dtype=cp.int32))
+
+
+def _grid(cp) -> int:
+    return CTAS_PER_SM * multiprocessor_count(cp.cuda.Device().id)
 
 
 def indexer_scores(q, k, w, lo, hi):
     """float32 [Nq, Nk] score table on the device."""
     cp = cupy_module()
-    table = cp.empty((q.shape[0], k.shape[0]), dtype=cp.float32)
-    for t0, t1, panel in _panels(q, k, w, lo, hi):
-        table[t0:t1] = panel
+    config = _config(q, None)
+    if config is None:
+        return gpu_fallback.indexer_scores(q, k, w, lo, hi)
+    defines, smem, _, in_dtype = config
+    q16, k16, w32, lo32, hi32 = _operands(cp, q, k, w, lo, hi, in_dtype)
+    table = cp.full((q.shape[0], k.shape[0]), -cp.inf, dtype=cp.float32)
+    if q.shape[0] == 0:
+        return table
+    counter = cp.zeros(1, dtype=cp.int32)
+    kernel = get_kernel("indexer", "indexer_scores_kernel", smem, defines)
+    kernel((_grid(cp),), (128,), (q16, k16, w32, lo32, hi32, np.int32(q.shape[0]), np.int32(k.shape[0]),
+                                  counter, table), shared_mem=smem)
     return table
 
 
 def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool):
     """``(indices int32 [Nq, topk], scores float32 [Nq, topk] or None)`` on the device."""
     cp = cupy_module()
-    n_q, n_k = q.shape[0], k.shape[0]
-    indices = cp.full((n_q, topk), -1, dtype=cp.int32)
-    scores = cp.full((n_q, topk), -cp.inf, dtype=cp.float32)
-    kept = min(topk, n_k)
-    for t0, t1, panel in _panels(q, k, w, lo, hi):
-        values, picked = topk_gpu.topk_rows(panel, kept, True, True)
-        masked = values == -cp.inf
-        indices[t0:t1, :kept] = cp.where(masked, -1, picked).astype(cp.int32)
-        scores[t0:t1, :kept] = values
-    return indices, (scores if want_scores else None)
+    config = _config(q, topk)
+    if config is None:
+        return gpu_fallback.indexer_topk(q, k, w, topk, lo, hi, want_scores)
+    defines, smem, per_group, in_dtype = config
+    n_q = q.shape[0]
+    indices = cp.empty((n_q, topk), dtype=cp.int32)
+    scores = cp.empty((n_q, topk), dtype=cp.float32) if want_scores else None
+    if POISON_OUTPUTS:
+        indices.fill(-7)
+        if scores is not None:
+            scores.fill(np.nan)
+    if n_q == 0 or topk == 0:
+        return indices, scores
+    q16, k16, w32, lo32, hi32 = _operands(cp, q, k, w, lo, hi, in_dtype)
+    grid = _grid(cp)
+    cap = 2 * topk + KT
+    buf_bits = cp.empty(grid * 2 * per_group * cap, dtype=cp.uint32)
+    buf_idx = cp.empty(grid * 2 * per_group * cap, dtype=cp.uint32)
+    counter = cp.zeros(1, dtype=cp.int32)
+    kernel = get_kernel("indexer", "indexer_topk_kernel", smem, defines)
+    kernel((grid,), (128,), (q16, k16, w32, lo32, hi32, np.int32(n_q), np.int32(k.shape[0]), np.int32(topk),
+                             counter, buf_bits, buf_idx, np.int32(cap), indices,
+                             scores if scores is not None else np.uint64(0)), shared_mem=smem)
+    return indices, scores

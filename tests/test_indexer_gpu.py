@@ -1,0 +1,107 @@
+"""The fused GPU indexer (cuda/indexer.cu) on shapes it is built for."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hyscale_core as hs
+from helpers import same_bits, selection_agrees_up_to_tolerance, to_host
+from hyscale_core._dtypes import bfloat16
+from hyscale_core.ops.indexer import reference
+from hyscale_core.ops.indexer.ranges import candidate_ranges
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    from hyscale_core.ops.indexer import gpu
+
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", True)
+
+
+def device_inputs(n_q, n_k, heads, dim, dtype=bfloat16, seed=0, repeat_keys=False, rising=False):
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n_q, heads, dim)).astype(dtype)
+    k = rng.standard_normal((n_k, dim))
+    if rising:  # later keys score higher: every key beats the threshold
+        k = np.abs(k) * np.linspace(0.5, 2.0, n_k)[:, None]
+        q = np.abs(q.astype(np.float32)).astype(dtype)
+    k = k.astype(dtype)
+    if repeat_keys:
+        k[1::3] = k[0]
+    w = (rng.standard_normal((n_q, heads)) / np.sqrt(heads)).astype(np.float32)
+    if rising:
+        w = np.abs(w)
+    return tuple(cupy.asarray(a) for a in (q, k, w)), (q, k, w)
+
+
+def materialised(scores, topk):
+    kept = min(topk, scores.shape[1])
+    values, indices = hs.topk(scores, kept)
+    values, indices = to_host(values), to_host(indices)
+    out = np.full((scores.shape[0], topk), -1, dtype=np.int32)
+    out[:, :kept] = np.where(values == -np.inf, -1, indices)
+    return out
+
+
+MASKS = {
+    "causal": {},
+    "non_causal": dict(causal=False),
+    "packed_1_7_300": dict(cu_seqlens=np.array([0, 1, 8, 308, 1000])),
+}
+
+
+@pytest.mark.parametrize("heads, dim", [(64, 128), (32, 128), (128, 64), (8, 64)])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("topk", [1, 7, 64, 2048])
+def test_streaming_equals_materialised(heads, dim, mask, topk):
+    (q, k, w), _ = device_inputs(1000, 1000, heads, dim, repeat_keys=True, seed=topk)
+    selection, picked = hs.indexer_topk(q, k, w, topk, return_scores=True, **MASKS[mask])
+    table = hs.indexer_scores(q, k, w, **MASKS[mask])
+    np.testing.assert_array_equal(to_host(selection), materialised(table, topk))
+    sel, host_table = to_host(selection), to_host(table)
+    expect = np.where(sel >= 0, np.take_along_axis(host_table, np.maximum(sel, 0), axis=1), -np.inf)
+    assert same_bits(picked, expect.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["float16", "float32"])
+def test_other_input_dtypes(dtype):
+    (q, k, w), _ = device_inputs(600, 600, 64, 128, dtype=dtype)
+    np.testing.assert_array_equal(to_host(hs.indexer_topk(q, k, w, 100)), materialised(hs.indexer_scores(q, k, w), 100))
+
+
+def test_query_shards_and_rising_scores():
+    (q, k, w), _ = device_inputs(4096, 4096, 64, 128, rising=True)
+    full = to_host(hs.indexer_topk(q, k, w, 256))
+    np.testing.assert_array_equal(full, materialised(hs.indexer_scores(q, k, w), 256))
+    for start, stop in [(0, 7), (7, 1000), (1000, 4096)]:
+        shard = hs.indexer_topk(q[start:stop], k, w[start:stop], 256, q_pos=np.arange(start, stop))
+        np.testing.assert_array_equal(to_host(shard), full[start:stop])
+
+
+def test_long_sequence_with_many_prunes():
+    (q, k, w), _ = device_inputs(8192, 8192, 64, 128, seed=3)
+    np.testing.assert_array_equal(to_host(hs.indexer_topk(q, k, w, 2048)),
+                                  materialised(hs.indexer_scores(q, k, w), 2048))
+
+
+def test_scores_match_float64_reference_and_cpu_selection():
+    (q, k, w), (hq, hk, hw) = device_inputs(512, 512, 64, 128, seed=4)
+    scores = to_host(hs.indexer_scores(q, k, w))
+    lo, hi = candidate_ranges(512, 512, True)
+    ref = reference.indexer_scores(hq, hk, hw, lo, hi)
+    finite = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isneginf(scores), np.isneginf(ref))
+    assert np.abs(scores[finite] - ref[finite]).max() / np.abs(ref[finite]).max() < 1e-5
+    selection_agrees_up_to_tolerance(to_host(hs.indexer_topk(q, k, w, 64)), ref, 64, 1e-5)
+    selection_agrees_up_to_tolerance(hs.indexer_topk(hq, hk, hw, 64), ref, 64, 1e-5)
+
+
+def test_repeated_runs_are_identical():
+    (q, k, w), _ = device_inputs(2048, 2048, 32, 128, seed=5)
+    first = to_host(hs.indexer_topk(q, k, w, 512))
+    for _ in range(3):
+        np.testing.assert_array_equal(to_host(hs.indexer_topk(q, k, w, 512)), first)
