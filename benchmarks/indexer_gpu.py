@@ -28,9 +28,11 @@ def matmul_rate_tflops(torch) -> float:
 
 
 def inputs(cp, n, heads, dim, seed=0):
+    from hyscale_core._dtypes import bfloat16
+
     rng = cp.random.default_rng(seed)
-    q = rng.standard_normal((n, heads, dim), dtype=cp.float32).astype("bfloat16")
-    k = rng.standard_normal((n, dim), dtype=cp.float32).astype("bfloat16")
+    q = rng.standard_normal((n, heads, dim), dtype=cp.float32).astype(bfloat16)
+    k = rng.standard_normal((n, dim), dtype=cp.float32).astype(bfloat16)
     w = rng.standard_normal((n, heads), dtype=cp.float32) / np.float32(np.sqrt(heads))
     return q, k, w
 
@@ -137,7 +139,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--chunk", type=int, default=512, help="query chunk of the torch peer")
+    parser.add_argument("--chunk", type=int, default=128, help="query chunk of the torch peer")
     parser.add_argument("--max-peer-n", type=int, default=131072, help="peers run up to this N")
     parser.add_argument("--no-packed", action="store_true")
     parser.add_argument("--out", default=None)
