@@ -69,6 +69,7 @@ struct GroupShared {
 };
 
 __device__ __forceinline__ void mma_tile(float (&acc)[128], const unsigned char* k_tile, const unsigned char* q_tile) {
+    wgmma_fence_operands(acc);
     wgmma_fence();
     #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -80,6 +81,7 @@ __device__ __forceinline__ void mma_tile(float (&acc)[128], const unsigned char*
     }
     wgmma_commit();
     wgmma_wait_all();
+    wgmma_fence_operands(acc);
 }
 
 // Copy `rows` rows of D 16-bit elements (row r from src + r * D) into the
@@ -238,6 +240,9 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
     const int n_tiles = first >= last ? 0 : (last - begin + KT - 1) / KT;
     if (n_tiles > 0) load_rows(k_tiles, p.k + (size_t)begin * D, KT, min(KT, p.n_k - begin));
     cp_async_commit();
+    float acc[128];
+    #pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     for (int j = 0; j < n_tiles; ++j) {
         const int s0 = begin + j * KT;
         if (j + 1 < n_tiles)
@@ -246,7 +251,6 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
         cp_async_wait<1>();
         fence_proxy_async();
         __syncthreads();
-        float acc[128];
         mma_tile(acc, k_tiles + (j % STAGES) * K_BYTES, q_tile);
         float scores[TQ][2];
         head_sums(acc, w_s, scores);
@@ -257,12 +261,20 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
     __syncthreads();
 }
 
+// The dynamic shared memory, rounded up to the 1024-byte alignment the
+// swizzled wgmma layout needs (the launch adds 1024 bytes for this).
+__device__ __forceinline__ unsigned char* aligned_dynamic_smem() {
+    extern __shared__ __align__(16) unsigned char dynamic_smem[];
+    const u32 addr = static_cast<u32>(__cvta_generic_to_shared(dynamic_smem));
+    return dynamic_smem + ((1024 - (addr & 1023)) & 1023);
+}
+
 __device__ __forceinline__ int key_row(int rr) { return 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2) + 8 * rr; }
 
 __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers buf, int* out_idx,
                          float* out_scores) {
     __shared__ GroupShared sh;
-    extern __shared__ __align__(1024) unsigned char smem[];
+    unsigned char* smem = aligned_dynamic_smem();
     unsigned char* q_tile = smem;
     unsigned char* k_tiles = smem + Q_BYTES;
     float* w_s = reinterpret_cast<float*>(smem + Q_BYTES + STAGES * K_BYTES);
@@ -298,7 +310,7 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
 
 __device__ void scores_cta(const Problem& p, int* work_counter, float* table) {
     __shared__ GroupShared sh;
-    extern __shared__ __align__(1024) unsigned char smem[];
+    unsigned char* smem = aligned_dynamic_smem();
     unsigned char* q_tile = smem;
     unsigned char* k_tiles = smem + Q_BYTES;
     float* w_s = reinterpret_cast<float*>(smem + Q_BYTES + STAGES * K_BYTES);
@@ -323,8 +335,8 @@ __device__ void scores_cta(const Problem& p, int* work_counter, float* table) {
 
 }  // namespace
 
-// Both entry points take Q_BYTES + STAGES * K_BYTES + TQ * H * 4 bytes of
-// dynamic shared memory (ops/indexer/gpu.py computes the same).
+// Both entry points take 1024 + Q_BYTES + STAGES * K_BYTES + TQ * H * 4 bytes
+// of dynamic shared memory (ops/indexer/gpu.py computes the same).
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 indexer_topk_kernel(const u16* q, const u16* k, const float* w, const int* lo, const int* hi, int n_q, int n_k,
                     int topk, int* work_counter, u32* buf_bits, u32* buf_idx, int cap, int* out_idx,

@@ -1,10 +1,11 @@
 """CPU backend of ``topk``: an exact radix select per row, parallel over rows.
 
-Per row: keys from the bits (keys.py), an MSB-first radix select with 11-bit
-digits over a shrinking candidate buffer finds the k-th key ``thr`` and the
-number of keys above it, then one pass in index order takes every key above
-``thr`` and the first ties equal to it (lower index first). ``sorted=True``
-then orders the k picks by (key descending, index ascending).
+Per row: keys from the bits (keys.py) and the histogram of their top 11-bit
+digit in one pass; a second pass takes every key above the k-th key's bucket
+and collects the bucket's members, among which an MSB-first radix select
+finds the k-th key ``thr``; keys equal to it are taken lower index first.
+``sorted=True`` then orders the k picks by (key descending, index
+ascending) with a stable LSD radix sort.
 """
 from __future__ import annotations
 
@@ -140,20 +141,75 @@ def sort_by_key(keys, idx, width):
     idx[:] = cur_idx
 
 
+@njit(cache=True)
+def _merge(a, na, b, nb, out):
+    """Merge two ascending index lists into ``out``."""
+    i = j = 0
+    for m in range(na + nb):
+        if j >= nb or (i < na and a[i] < b[j]):
+            out[m] = a[i]
+            i += 1
+        else:
+            out[m] = b[j]
+            j += 1
+
+
+@njit(cache=True)
+def select_row(keys, k, width, top_hist, out):
+    """Write the top ``k`` (< len(keys)) of one row to ``out`` in ascending index order.
+
+    ``top_hist`` is the histogram of the top digit of ``keys``. One pass
+    splits the row into keys above the k-th key's bucket (all taken) and the
+    bucket's members, which a radix select over the members then resolves.
+    """
+    top = min(DIGIT_BITS, width)
+    sh = np.uint64(width - top)
+    bucket = (1 << top) - 1
+    above = 0
+    while above + top_hist[bucket] < k:
+        above += top_hist[bucket]
+        bucket -= 1
+    target = np.uint64(bucket)
+    above_idx = np.empty(above, np.int64)
+    members = np.empty(top_hist[bucket], np.int64)
+    na = nm = 0
+    for i in range(keys.shape[0]):
+        d = keys[i] >> sh
+        if d > target:
+            above_idx[na] = i
+            na += 1
+        elif d == target:
+            members[nm] = i
+            nm += 1
+    need = k - above
+    if need == nm:
+        _merge(above_idx, na, members, nm, out)
+        return
+    member_keys = keys[members]
+    thr, n_above = kth_largest(member_keys, need, width)
+    chosen = np.empty(need, np.int64)
+    take_in_index_order(member_keys, need, thr, n_above, chosen)
+    _merge(above_idx, na, members[chosen], need, out)
+
+
 @njit(cache=True, parallel=True)
 def _topk_rows(bits, k, width, width_ones, sign, exp_mask, mant_mask, is_float, invert, do_sort, out):
     n_rows, n = bits.shape
+    top = min(DIGIT_BITS, width)
+    sh = np.uint64(width - top)
     for r in prange(n_rows):
         keys = np.empty(n, np.uint64)
+        hist = np.zeros(1 << top, np.int64)
         row = bits[r]
         for i in range(n):
-            keys[i] = sort_key(np.uint64(row[i]), width_ones, sign, exp_mask, mant_mask, is_float, invert)
+            key = sort_key(np.uint64(row[i]), width_ones, sign, exp_mask, mant_mask, is_float, invert)
+            keys[i] = key
+            hist[key >> sh] += 1
         if k == n:
             for i in range(n):
                 out[r, i] = i
         else:
-            thr, n_above = kth_largest(keys, k, width)
-            take_in_index_order(keys, k, thr, n_above, out[r])
+            select_row(keys, k, width, hist, out[r])
         if do_sort:
             sort_by_key(keys, out[r], width)
 
