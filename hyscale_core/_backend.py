@@ -97,3 +97,8 @@ def xp_for(backend: str) -> Any:
     if backend == GPU:
         return cupy_module()
     return np
+
+
+def array_module(a: Any) -> Any:
+    """numpy or cupy, whichever owns ``a`` (for code generic over both)."""
+    return xp_for(GPU if _is_cupy_array(a) else CPU)

@@ -1,0 +1,150 @@
+"""The tape: Tensors on raw NumPy/CuPy arrays and Functions that record how
+they were made (the tinygrad/micrograd split).
+
+A Function works on raw arrays: ``forward`` computes the output and saves the
+minimum its ``backward`` needs; ``backward`` returns one gradient per input,
+``None`` where ``needs_input_grad`` is false. :func:`backward` walks the
+tape from a scalar, accumulates gradients into the leaves' ``.grad`` and
+frees each Function's saved state once it has run.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+_GRAD_ENABLED = [True]
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Inside this block new Tensors record no Functions."""
+    _GRAD_ENABLED.append(False)
+    try:
+        yield
+    finally:
+        _GRAD_ENABLED.pop()
+
+
+class Tensor:
+    """An array plus, when it needs a gradient, the Function that made it.
+
+    data : NumPy or CuPy array.
+    grad : accumulated gradient (same shape and array type), leaves only.
+    aux  : non-differentiable side outputs of the Function that made it.
+    """
+
+    __slots__ = ("data", "grad", "requires_grad", "ctx", "name", "aux")
+
+    def __init__(self, data: Any, requires_grad: bool = False, name: str | None = None) -> None:
+        self.data = data
+        self.grad = None
+        self.requires_grad = requires_grad
+        self.ctx: Function | None = None
+        self.name = name
+        self.aux: dict[str, Any] = {}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    def detach(self) -> "Tensor":
+        """The same data, cut from the tape."""
+        return Tensor(self.data)
+
+    def backward(self, grad: Any = None) -> None:
+        backward(self, grad)
+
+    def __repr__(self) -> str:
+        label = f" {self.name!r}" if self.name else ""
+        return f"Tensor{label}(shape={self.shape}, dtype={self.dtype}, requires_grad={self.requires_grad})"
+
+
+class Function:
+    """One differentiable operation. Subclasses define ``forward`` and ``backward``."""
+
+    def __init__(self, *parents: Tensor) -> None:
+        self.parents = parents
+        self.needs_input_grad = tuple(p.requires_grad for p in parents)
+        self.saved: tuple = ()
+
+    def save(self, *arrays: Any) -> None:
+        self.saved = arrays
+
+    def forward(self, *arrays: Any, **options: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no forward")
+
+    def backward(self, grad: Any) -> tuple:
+        raise NotImplementedError(f"{type(self).__name__} defines no backward")
+
+    @classmethod
+    def apply(cls, *inputs: Tensor, **options: Any) -> Tensor:
+        """Run ``forward`` on the inputs' arrays; record the Function if a gradient is needed.
+
+        ``forward`` returns the output array, or ``(output, aux)`` with a dict
+        of non-differentiable side outputs (exposed as ``Tensor.aux``).
+        """
+        ctx = cls(*inputs)
+        result = ctx.forward(*(t.data for t in inputs), **options)
+        out, aux = result if isinstance(result, tuple) else (result, {})
+        tensor = Tensor(out, requires_grad=_GRAD_ENABLED[-1] and any(ctx.needs_input_grad))
+        tensor.aux = aux
+        if tensor.requires_grad:
+            tensor.ctx = ctx
+        return tensor
+
+
+def _topological(root: Tensor) -> list[Tensor]:
+    order: list[Tensor] = []
+    seen: set[int] = set()
+    stack: list[tuple[Tensor, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        if node.ctx is not None:
+            for parent in reversed(node.ctx.parents):
+                if parent.requires_grad and id(parent) not in seen:
+                    stack.append((parent, False))
+    return order
+
+
+def backward(root: Tensor, grad: Any = None) -> None:
+    """Accumulate d(root)/d(leaf) into every leaf's ``.grad`` and free the tape.
+
+    ``grad`` defaults to 1 for a scalar root. Gradients are summed in a fixed
+    order (reverse topological, parents in argument order): deterministic.
+    """
+    if not root.requires_grad:
+        raise ValueError("backward() called on a Tensor that does not require a gradient")
+    if grad is None:
+        if root.data.size != 1:
+            raise ValueError(f"backward() needs grad for a non-scalar root of shape {root.shape}")
+        grad = root.data * 0 + 1
+    grads: dict[int, Any] = {id(root): grad}
+    for node in reversed(_topological(root)):
+        g = grads.pop(id(node), None)
+        if g is None:
+            continue
+        if node.ctx is None:
+            node.grad = g if node.grad is None else node.grad + g
+            continue
+        ctx = node.ctx
+        parent_grads = ctx.backward(g)
+        if len(parent_grads) != len(ctx.parents):
+            raise RuntimeError(f"{type(ctx).__name__}.backward returned {len(parent_grads)} gradients "
+                               f"for {len(ctx.parents)} inputs")
+        for parent, pg, needs in zip(ctx.parents, parent_grads, ctx.needs_input_grad):
+            if needs and pg is not None:
+                key = id(parent)
+                grads[key] = pg if key not in grads else grads[key] + pg
+        ctx.saved = ()
+        node.ctx = None
