@@ -186,7 +186,7 @@ __device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32
         order[j] = j < (int)n ? idx[j] : 0xFFFFFFFFu;
     }
     __syncthreads();
-    block_bitonic_sort(keys, order, n_pad, true);
+    block_bitonic_sort<true>(keys, order, n_pad);
     for (u32 j = threadIdx.x; j < k; j += THREADS) {
         out_idx[j] = j < n ? (int)order[j] : -1;
         if (out_scores) out_scores[j] = __uint_as_float(j < n ? key_to_bits(keys[j]) : NEG_INF_BITS);

@@ -189,25 +189,46 @@ __device__ u32 block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank,
 }
 
 // In-place bitonic sort of n (a power of two) (key, idx) pairs in shared
-// memory. by_key: key descending, then idx ascending; else idx ascending.
-template <typename K>
-__device__ void block_bitonic_sort(K* keys, u32* idx, int n, bool by_key) {
+// memory. BY_KEY: key descending, then idx ascending; else idx ascending.
+template <bool BY_KEY, typename K>
+__device__ void block_bitonic_sort(K* keys, u32* idx, int n) {
     for (int size = 2; size <= n; size <<= 1) {
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
             for (int t = threadIdx.x; t < (n >> 1); t += blockDim.x) {
-                int i = 2 * stride * (t / stride) + (t % stride);
-                int j = i + stride;
-                bool ascending = ((i & size) == 0);
-                bool j_first = by_key ? (keys[j] > keys[i] || (keys[j] == keys[i] && idx[j] < idx[i]))
-                                      : (idx[j] < idx[i]);
-                if (j_first == ascending) {
-                    K tk = keys[i]; keys[i] = keys[j]; keys[j] = tk;
-                    u32 ti = idx[i]; idx[i] = idx[j]; idx[j] = ti;
+                const int i = ((t & ~(stride - 1)) << 1) | (t & (stride - 1));
+                const int j = i + stride;
+                const K ki = keys[i], kj = keys[j];
+                const u32 ii = idx[i], ij = idx[j];
+                const bool j_first = BY_KEY ? (kj > ki || (kj == ki && ij < ii)) : (ij < ii);
+                if (j_first == ((i & size) == 0)) {
+                    keys[i] = kj;
+                    keys[j] = ki;
+                    idx[i] = ij;
+                    idx[j] = ii;
                 }
             }
             __syncthreads();
         }
     }
+}
+
+// Write the n distinct positions in idx (all < len) to out in ascending
+// order, through a bitmap of ceil(len / 32) words in shared memory.
+__device__ void block_sort_positions(const u32* idx, u32 n, u32 len, u32* bitmap, u32* scratch, u32* out) {
+    const u32 words = (len + 31) / 32;
+    for (u32 w = threadIdx.x; w < words; w += blockDim.x) bitmap[w] = 0;
+    __syncthreads();
+    for (u32 j = threadIdx.x; j < n; j += blockDim.x) atomicOr(&bitmap[idx[j] >> 5], 1u << (idx[j] & 31));
+    __syncthreads();
+    const u32 per = (words + blockDim.x - 1) / blockDim.x;
+    const u32 first = threadIdx.x * per, last = min(words, first + per);
+    u32 mine = 0;
+    for (u32 w = first; w < last; ++w) mine += __popc(bitmap[w]);
+    u32 total;
+    u32 pos = block_exclusive_sum(mine, scratch, &total);
+    for (u32 w = first; w < last; ++w)
+        for (u32 bits = bitmap[w]; bits; bits &= bits - 1) out[pos++] = w * 32 + (__ffs(bits) - 1);
+    __syncthreads();
 }
 
 }  // namespace hs

@@ -189,7 +189,7 @@ __device__ void take_ties_from_shared(Bits* tie_key, u32* tie_idx, u32 n, u32 ne
     while (n_pad < (int)n) n_pad <<= 1;
     for (int i = n + threadIdx.x; i < n_pad; i += blockDim.x) tie_idx[i] = 0xffffffffu;
     __syncthreads();
-    block_bitonic_sort(tie_key, tie_idx, n_pad, false);
+    block_bitonic_sort<false>(tie_key, tie_idx, n_pad);
     for (u32 j = threadIdx.x; j < need; j += blockDim.x) {
         out_key[out_base + j] = thr;
         out_idx[out_base + j] = tie_idx[j];
@@ -197,12 +197,23 @@ __device__ void take_ties_from_shared(Bits* tie_key, u32* tie_idx, u32 n, u32 ne
     __syncthreads();
 }
 
-// Sort the k picks held in out_key/out_idx and write the final results.
+// Order the k picks held in out_key/out_idx and write the final results.
+// Index order goes through a bitmap of the segment when it fits the work
+// area, else (like key order) through a bitonic sort.
 template <typename Bits>
-__device__ void write_result(const Bits* row, const Bits* out_key, const u32* out_idx, u32 k, int sort_mode,
-                             Bits* work_key, u32* work_idx, i64 index_offset, i64* final_idx,
+__device__ void write_result(const Bits* row, i64 len, const Bits* out_key, u32* out_idx, u32 k, int sort_mode,
+                             Bits* work_key, u32* work_idx, RowShared& sh, i64 index_offset, i64* final_idx,
                              Bits* final_val) {
+    constexpr u32 WORK_BITS = SORT_CAP * (sizeof(Bits) + 4) * 8;
     if (sort_mode == UNSORTED) {
+        for (u32 j = threadIdx.x; j < k; j += blockDim.x) {
+            final_idx[j] = index_offset + out_idx[j];
+            final_val[j] = row[out_idx[j]];
+        }
+        return;
+    }
+    if (sort_mode == BY_INDEX && len <= (i64)WORK_BITS) {
+        block_sort_positions(out_idx, k, (u32)len, reinterpret_cast<u32*>(work_key), sh.scratch, out_idx);
         for (u32 j = threadIdx.x; j < k; j += blockDim.x) {
             final_idx[j] = index_offset + out_idx[j];
             final_val[j] = row[out_idx[j]];
@@ -217,7 +228,8 @@ __device__ void write_result(const Bits* row, const Bits* out_key, const u32* ou
         work_idx[j] = real ? out_idx[j] : 0xffffffffu;
     }
     __syncthreads();
-    block_bitonic_sort(work_key, work_idx, n_pad, sort_mode == BY_KEY);
+    if (sort_mode == BY_KEY) block_bitonic_sort<true>(work_key, work_idx, n_pad);
+    else block_bitonic_sort<false>(work_key, work_idx, n_pad);
     for (u32 j = threadIdx.x; j < k; j += blockDim.x) {
         final_idx[j] = index_offset + work_idx[j];
         final_val[j] = row[work_idx[j]];
@@ -327,8 +339,8 @@ __device__ void topk_segments(const Bits* base, i64 row_len, i64 seg_len, int se
                            work_key, work_idx, sh);
         }
         const i64 off = r * out_row_stride + b * k;
-        write_result(row, out_key, out_idx, k_eff, sort_mode, work_key, work_idx, start, final_idx + off,
-                     final_val + off);
+        write_result(row, len, out_key, out_idx, k_eff, sort_mode, work_key, work_idx, sh, start,
+                     final_idx + off, final_val + off);
         __syncthreads();
     }
 }
