@@ -114,6 +114,8 @@ def run_config(args, cp, torch, hs, n, heads, lengths, rate):
             extra = torch.cuda.max_memory_allocated()
         else:
             extra = max(r[1] for r in runs)
+        torch.cuda.empty_cache()  # give the torch peer's cache back before the next impl
+        cp.get_default_memory_pool().free_all_blocks()
         rows.append({"bench": "indexer_gpu", "config": config, "impl": impl, "median_ms": round(ms, 2),
                      "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "x_floor": round(ms / floor_ms, 2),
                      "floor_ms": round(floor_ms, 2), "peak_extra_gib": round(extra / 2**30, 2),
