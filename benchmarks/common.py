@@ -19,6 +19,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def commit() -> str:
+    """The checkout's commit; $HYSCALE_COMMIT where the tree has no .git (a copied tree)."""
+    import os
+
+    if os.environ.get("HYSCALE_COMMIT"):
+        return os.environ["HYSCALE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, check=True)
