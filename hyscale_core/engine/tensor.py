@@ -97,10 +97,10 @@ class Function:
         return tensor
 
 
-def _topological(root: Tensor) -> list[Tensor]:
+def _topological(roots: list[Tensor]) -> list[Tensor]:
     order: list[Tensor] = []
     seen: set[int] = set()
-    stack: list[tuple[Tensor, bool]] = [(root, False)]
+    stack: list[tuple[Tensor, bool]] = [(r, False) for r in reversed(roots)]
     while stack:
         node, expanded = stack.pop()
         if expanded:
@@ -123,28 +123,39 @@ def backward(root: Tensor, grad: Any = None) -> None:
     ``grad`` defaults to 1 for a scalar root. Gradients are summed in a fixed
     order (reverse topological, parents in argument order): deterministic.
     """
-    if not root.requires_grad:
-        raise ValueError("backward() called on a Tensor that does not require a gradient")
-    if grad is None:
-        if root.data.size != 1:
-            raise ValueError(f"backward() needs grad for a non-scalar root of shape {root.shape}")
-        grad = root.data * 0 + 1
-    grads: dict[int, Any] = {id(root): grad}
-    for node in reversed(_topological(root)):
+    backward_many([(root, grad)])
+
+
+def backward_many(seeds: list[tuple[Tensor, Any]]) -> None:
+    """:func:`backward` from several roots at once, each with its own seed gradient."""
+    grads: dict[int, Any] = {}
+    for root, grad in seeds:
+        if not root.requires_grad:
+            raise ValueError("backward() called on a Tensor that does not require a gradient")
+        if grad is None:
+            if root.data.size != 1:
+                raise ValueError(f"backward() needs grad for a non-scalar root of shape {root.shape}")
+            grad = root.data * 0 + 1
+        grads[id(root)] = grad if id(root) not in grads else grads[id(root)] + grad
+    for node in reversed(_topological([root for root, _ in seeds])):
         g = grads.pop(id(node), None)
         if g is None:
             continue
         if node.ctx is None:
             node.grad = g if node.grad is None else node.grad + g
             continue
-        ctx = node.ctx
-        parent_grads = ctx.backward(g)
-        if len(parent_grads) != len(ctx.parents):
-            raise RuntimeError(f"{type(ctx).__name__}.backward returned {len(parent_grads)} gradients "
-                               f"for {len(ctx.parents)} inputs")
-        for parent, pg, needs in zip(ctx.parents, parent_grads, ctx.needs_input_grad):
-            if needs and pg is not None:
-                key = id(parent)
-                grads[key] = pg if key not in grads else grads[key] + pg
-        ctx.saved = ()
-        node.ctx = None
+        _run_backward(node, g, grads)
+
+
+def _run_backward(node: Tensor, g: Any, grads: dict[int, Any]) -> None:
+    ctx = node.ctx
+    parent_grads = ctx.backward(g)
+    if len(parent_grads) != len(ctx.parents):
+        raise RuntimeError(f"{type(ctx).__name__}.backward returned {len(parent_grads)} gradients "
+                           f"for {len(ctx.parents)} inputs")
+    for parent, pg, needs in zip(ctx.parents, parent_grads, ctx.needs_input_grad):
+        if needs and pg is not None:
+            key = id(parent)
+            grads[key] = pg if key not in grads else grads[key] + pg
+    ctx.saved = ()
+    node.ctx = None
