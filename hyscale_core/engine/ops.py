@@ -164,3 +164,37 @@ class Reshape(Function):
 def constant(data: Any) -> Tensor:
     """A Tensor that never needs a gradient (ids, position tables, targets)."""
     return Tensor(data, requires_grad=False)
+
+
+class RoPETail(Function):
+    """RoPE on the last ``cos.shape[1] * 2`` dims of x [N, ..., d] (MLA's rope
+    part); the leading dims pass through unchanged."""
+
+    def forward(self, x, cos, sin):
+        self.save(cos, sin)
+        return _rotate_tail(x, cos, sin, 1)
+
+    def backward(self, g):
+        cos, sin = self.saved
+        return _rotate_tail(g, cos, sin, -1), None, None
+
+
+def _rotate_tail(x, cos, sin, direction: int):
+    start = x.shape[-1] - 2 * cos.shape[1]
+    out = x.copy()
+    out[..., start:] = _rotate(x[..., start:], cos, sin, direction)
+    return out
+
+
+class TakeRows(Function):
+    """x [N, ...] rows at ``rows`` [M] (int, distinct) -> [M, ...]."""
+
+    def forward(self, x, rows):
+        self.save(rows, x.shape)
+        return x[rows]
+
+    def backward(self, g):
+        rows, shape = self.saved
+        dx = array_module(g).zeros(shape, dtype=g.dtype)
+        dx[rows] = g
+        return dx, None

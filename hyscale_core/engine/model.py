@@ -1,0 +1,142 @@
+"""A DSA block (MLA-style sparse attention with a lightning indexer) and a
+small language model built from the engine's Functions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import ops
+from .attention import IndexerKL, IndexerScoresAt, SparseAttention
+from .checkpoint import checkpoint
+from .tensor import Tensor
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """Sizes of a DSA model. d_qk = d_v + rope_dim (MLA's latent + rope part)."""
+
+    vocab: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    heads: int = 4
+    d_v: int = 32
+    rope_dim: int = 16
+    d_ff: int = 128
+    index_heads: int = 4
+    index_dim: int = 16
+    topk: int = 16
+    kl_weight: float = 1.0
+
+    @property
+    def d_qk(self) -> int:
+        return self.d_v + self.rope_dim
+
+
+def _param(xp, rng, shape, scale, name):
+    return Tensor(xp.asarray((rng.standard_normal(shape) * scale).astype(np.float32)), requires_grad=True, name=name)
+
+
+class DSABlock:
+    """Pre-norm block: x + Wo * SparseAttention(x) then x + SwiGLU(x).
+
+    The indexer reads the normalised input detached from the model (DSA's
+    sparse stage): its only gradient is the KL loss against the attention's
+    head-summed probabilities at the selected keys.
+    """
+
+    def __init__(self, cfg: DSAConfig, name: str, rng: np.random.Generator, xp=np) -> None:
+        self.cfg, self.name = cfg, name
+        d, s = cfg.d_model, 1 / np.sqrt(cfg.d_model)
+        p = lambda shape, scale, part: _param(xp, rng, shape, scale, f"{name}.{part}")  # noqa: E731
+        self.params = {
+            "attn_norm": Tensor(xp.ones(d, dtype=np.float32), requires_grad=True, name=f"{name}.attn_norm"),
+            "wq": p((d, cfg.heads * cfg.d_qk), s, "wq"),
+            "wkv": p((d, cfg.d_qk), s, "wkv"),
+            "wo": p((cfg.heads * cfg.d_v, d), 1 / np.sqrt(cfg.heads * cfg.d_v), "wo"),
+            "iq": p((d, cfg.index_heads * cfg.index_dim), s, "iq"),
+            "ik": p((d, cfg.index_dim), s, "ik"),
+            "iw": p((d, cfg.index_heads), s, "iw"),
+            "mlp_norm": Tensor(xp.ones(d, dtype=np.float32), requires_grad=True, name=f"{name}.mlp_norm"),
+            "w1": p((d, cfg.d_ff), s, "w1"),
+            "w3": p((d, cfg.d_ff), s, "w3"),
+            "w2": p((cfg.d_ff, d), 1 / np.sqrt(cfg.d_ff), "w2"),
+        }
+
+    def parameters(self) -> list[Tensor]:
+        return list(self.params.values())
+
+    def _indexer(self, h: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        cfg, p = self.cfg, self.params
+        h_det = h.detach()
+        q = ops.Reshape.apply(ops.MatMul.apply(h_det, p["iq"]), shape=(n, cfg.index_heads, cfg.index_dim))
+        return q, ops.MatMul.apply(h_det, p["ik"]), ops.MatMul.apply(h_det, p["iw"])
+
+    def forward(self, x: Tensor, rope: tuple[Any, Any], selector: Any) -> tuple[Tensor, Tensor]:
+        """x [N, d] -> (y [N, d], the block's indexer KL loss, a scalar)."""
+        cfg, p = self.cfg, self.params
+        n = x.shape[0]
+        cos, sin = (ops.constant(t) for t in rope)
+        h = ops.RMSNorm.apply(x, p["attn_norm"])
+        iq, ik, iw = self._indexer(h, n)
+        indices = ops.constant(selector.select(self.name, iq.data, ik.data, iw.data))
+        q = ops.Reshape.apply(ops.MatMul.apply(h, p["wq"]), shape=(n, cfg.heads, cfg.d_qk))
+        q = ops.RoPETail.apply(q, cos, sin)
+        kv = ops.RoPETail.apply(ops.MatMul.apply(h, p["wkv"]), cos, sin)
+        attn = SparseAttention.apply(q, kv, indices, d_v=cfg.d_v)
+        flat = ops.Reshape.apply(attn, shape=(n, cfg.heads * cfg.d_v))
+        x = ops.Add.apply(x, ops.MatMul.apply(flat, p["wo"]))
+        kl = IndexerKL.apply(IndexerScoresAt.apply(iq, ik, iw, indices), ops.constant(attn.aux["probs"]))
+        m = ops.RMSNorm.apply(x, p["mlp_norm"])
+        gate = ops.SiLU.apply(ops.MatMul.apply(m, p["w1"]))
+        up = ops.MatMul.apply(m, p["w3"])
+        y = ops.Add.apply(x, ops.MatMul.apply(ops.Mul.apply(gate, up), p["w2"]))
+        return y, kl
+
+
+class TinyDSA:
+    """Embedding, ``n_layers`` DSA blocks, final norm, LM head."""
+
+    def __init__(self, cfg: DSAConfig, seed: int = 0, xp=np) -> None:
+        rng = np.random.default_rng(seed)
+        self.cfg, self.xp = cfg, xp
+        self.embed = _param(xp, rng, (cfg.vocab, cfg.d_model), 1.0, "embed")
+        self.blocks = [DSABlock(cfg, f"layer{i}", rng, xp) for i in range(cfg.n_layers)]
+        self.final_norm = Tensor(xp.ones(cfg.d_model, dtype=np.float32), requires_grad=True, name="final_norm")
+        self.head = _param(xp, rng, (cfg.d_model, cfg.vocab), 1 / np.sqrt(cfg.d_model), "head")
+
+    def parameters(self) -> list[Tensor]:
+        out = [self.embed, self.final_norm, self.head]
+        for block in self.blocks:
+            out += block.parameters()
+        return out
+
+    def forward(self, ids: Any, rows: Any, targets: Any, selector: Any, recompute: bool = False
+                ) -> tuple[Tensor, float, list[float]]:
+        """Loss of predicting ``targets`` [M] at positions ``rows`` [M] of the token
+        sequence ``ids`` [N]. Returns (differentiable loss, its value with the
+        indexer losses, the per-layer indexer losses).
+
+        recompute: checkpoint every block (selections replayed in backward).
+        """
+        xp = self.xp
+        rope = ops.rope_tables(xp, xp.arange(ids.shape[0]), self.cfg.rope_dim)
+        x = ops.Embedding.apply(self.embed, ops.constant(ids))
+        kls: list[Tensor | float] = []
+        for block in self.blocks:
+            if recompute:
+                x = checkpoint(block, x, rope, selector, self.cfg.kl_weight)
+                kls.append(float(x.aux["kl"]))
+            else:
+                x, kl = block.forward(x, rope, selector)
+                kls.append(kl)
+        logits = ops.MatMul.apply(ops.RMSNorm.apply(ops.TakeRows.apply(x, ops.constant(rows)), self.final_norm),
+                                  self.head)
+        loss = ops.CrossEntropy.apply(logits, ops.constant(targets))
+        kl_values = [k if isinstance(k, float) else float(k.data) for k in kls]
+        if not recompute:
+            for kl in kls:
+                loss = ops.Add.apply(loss, ops.Mul.apply(kl, ops.constant(kl.data * 0 + self.cfg.kl_weight)))
+        total = float(loss.data) + (self.cfg.kl_weight * sum(kl_values) if recompute else 0.0)
+        return loss, total, kl_values
