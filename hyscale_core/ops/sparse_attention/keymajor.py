@@ -1,0 +1,103 @@
+"""Key-major (transposed) index tables and the deterministic per-key accumulation.
+
+The gradient of a gathered table (``dkv`` of sparse attention, ``dk`` of the
+indexer) receives one contribution from every (query, slot) that selected a
+key. Scattering them with float atomics makes the sum depend on thread
+timing. Instead the selection is transposed: a stable sort of the flattened
+index table groups the (query, slot) pairs by key, in ascending (query,
+slot) order inside each key, and one worker per key sums its pairs in that
+order. The result is bitwise reproducible and independent of the number of
+threads.
+
+Backward passes go over the queries in chunks (ascending); each chunk's
+key-side weights live in a buffer ``coef [T, k, J]``, and its pairs are added
+to the gradient rows key by key. Because chunks come in ascending query
+order and every key's pairs are added in ascending order inside a chunk,
+the summation order of each gradient element is the global ascending
+(query, slot, j) order whatever the chunk size: chunking bounds memory
+without changing a bit.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+# Elements of one chunk's coefficient buffer (coef [T, k, J]): 2**22 floats,
+# 16 MiB in float32.
+COEF_BUDGET = 1 << 22
+
+
+class KeyMajor(NamedTuple):
+    """A selection grouped by key.
+
+    keys   int64 [U]      the distinct selected keys, ascending.
+    starts int64 [U + 1]  key ``keys[u]`` owns ``pairs[starts[u]:starts[u + 1]]``.
+    pairs  int64 [P]      flat positions ``t * k + i`` of the valid slots,
+                          ascending inside each key (-1 slots are dropped).
+    """
+
+    keys: np.ndarray
+    starts: np.ndarray
+    pairs: np.ndarray
+
+
+def key_major(indices: np.ndarray) -> KeyMajor:
+    """Transpose an int32 [T, k] selection (entries -1 or >= 0) into a :class:`KeyMajor`."""
+    flat = np.ascontiguousarray(indices).reshape(-1)
+    order = np.argsort(flat, kind="stable")  # ties keep ascending flat position
+    sorted_keys = flat[order]
+    first = int(np.searchsorted(sorted_keys, 0))  # the -1 slots sort first
+    order, sorted_keys = order[first:], sorted_keys[first:]
+    if order.size == 0:
+        return KeyMajor(np.empty(0, np.int64), np.zeros(1, np.int64), np.empty(0, np.int64))
+    bounds = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
+    starts = np.concatenate(([0], bounds, [order.size])).astype(np.int64)
+    keys = sorted_keys[starts[:-1]].astype(np.int64)
+    return KeyMajor(keys, starts, order.astype(np.int64))
+
+
+def rows_per_chunk(n_rows: int, k: int, n_coef: int) -> int:
+    """Queries per backward chunk: a ``[T, k, n_coef]`` buffer within ``COEF_BUDGET``.
+
+    At least one query, and at least one per thread so the query pass stays
+    parallel. The results do not depend on this choice (module docstring).
+    """
+    per_row = max(1, k * n_coef)
+    rows = max(COEF_BUDGET // per_row, numba.get_num_threads(), 1)
+    return max(1, min(rows, n_rows))
+
+
+@njit(cache=True, parallel=True)
+def _accumulate(keys, starts, pairs, coef, rows, widths, out):
+    k = coef.shape[1]
+    n_j = coef.shape[2]
+    for u in prange(keys.shape[0]):
+        dst = out[keys[u]]
+        for e in range(starts[u], starts[u + 1]):
+            t = pairs[e] // k
+            i = pairs[e] - t * k
+            for j in range(n_j):
+                c_j = coef[t, i, j]
+                if c_j == 0:  # an exact zero weight adds nothing
+                    continue
+                src = rows[t, j]
+                for c in range(widths[j]):
+                    dst[c] += c_j * src[c]
+
+
+def accumulate_by_key(table: KeyMajor, coef: np.ndarray, rows: np.ndarray, widths: np.ndarray,
+                      out: np.ndarray) -> None:
+    """In place, for every pair (t, i) of key s in ``table`` (in its order):
+
+        out[s, :widths[j]] += coef[t, i, j] * rows[t, j, :widths[j]]   for j = 0 .. J-1
+
+    coef [T, k, J] and rows [T, J, W] (same float dtype as ``out``) are the
+    chunk's key-side weights and vectors; ``table`` is ``key_major`` of the
+    chunk's [T, k] selection; widths int64 [J] with widths[j] <= W and
+    <= out.shape[1]; out [N_keys, >= W] accumulates (C-contiguous).
+    One thread per key, so no two threads write one row.
+    """
+    _accumulate(table.keys, table.starts, table.pairs, coef, rows, widths, out)
