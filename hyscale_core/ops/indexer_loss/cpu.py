@@ -27,10 +27,10 @@ import numpy as np
 from numba import njit, prange
 
 from ..sparse_attention.cpu import compute_dtype, gather_dots, valid_slots
-from ..sparse_attention.keymajor import accumulate_by_key, key_major, rows_per_chunk
+from ..sparse_attention.keymajor import FMA, accumulate_by_key, key_major, rows_per_chunk
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=FMA)
 def _scores_at(q, k, w, indices, scores):
     """scores[t, i] = sum_h w[t, h] * relu(q[t, h] . k[s]), heads in ascending order."""
     n_h = q.shape[1]
@@ -59,7 +59,7 @@ def indexer_scores_at(q, k, w, indices) -> np.ndarray:
     return scores
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FMA)
 def _backward_row(q_t, k, w_t, idx_row, g_row, dq_t, dw_t, coef_t):
     """One query's dq_t [H, D], dw_t [H] and key-side weights coef_t [kk, H].
 
@@ -89,7 +89,7 @@ def _backward_row(q_t, k, w_t, idx_row, g_row, dq_t, dw_t, coef_t):
                     row[c] += c_h * key_row[c]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=FMA)
 def _backward_rows(q, k, w, indices, dscores, dq, dw, coef):
     for t in prange(q.shape[0]):
         _backward_row(q[t], k, w[t], indices[t], dscores[t], dq[t], dw[t], coef[t])
@@ -119,7 +119,7 @@ def indexer_scores_at_backward(q, k, w, indices, dscores) -> tuple[np.ndarray, n
     return dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False), dw.astype(w.dtype, copy=False)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FMA)
 def _kl_row(s, probs, inv_n, d_row):
     """One row's KL(target || softmax(s)) over its finite slots; writes d_row [kk]."""
     zero = s.dtype.type(0)
@@ -147,7 +147,7 @@ def _kl_row(s, probs, inv_n, d_row):
     return loss
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=FMA)
 def _kl_rows(scores, probs, inv_n, row_loss, dscores):
     for t in prange(scores.shape[0]):
         row_loss[t] = _kl_row(scores[t], probs[t], inv_n, dscores[t])

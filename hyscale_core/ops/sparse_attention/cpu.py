@@ -31,7 +31,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .keymajor import accumulate_by_key, key_major, rows_per_chunk
+from .keymajor import FMA, accumulate_by_key, flush, key_major, rows_per_chunk
+
+# Two-level accumulation, in float32 for 16- and 32-bit inputs: sums over
+# features go in blocks of DOT_BLOCK, sums over a row's slots in blocks of
+# SLOT_BLOCK. Each block sums plainly (fused multiply-adds) in its own
+# partial; the partials enter the total in order with a compensated
+# (Kahan) add, so the total carries about one block's rounding error rather
+# than count's. The order is fixed, so results are reproducible.
+DOT_BLOCK = 32
+SLOT_BLOCK = 32
 
 
 def compute_dtype(*arrays: np.ndarray) -> np.dtype:
@@ -41,7 +50,7 @@ def compute_dtype(*arrays: np.ndarray) -> np.dtype:
     return np.dtype(np.float32)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FMA)
 def valid_slots(idx_row, slots):
     """Write the positions of the row's entries >= 0 into ``slots``; return their count."""
     m = 0
@@ -52,52 +61,63 @@ def valid_slots(idx_row, slots):
     return m
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FMA)
 def gather_dots(rows_t, table, idx_row, slots, m, out):
     """out[a, j] = dot(rows_t[j, :W], table[idx_row[slots[a]], :W]) for a < m.
 
-    rows_t [J, W], table [N, >= W], out [>= m, J]; each dot sums over the
-    feature axis in ascending order, in the arrays' dtype.
+    rows_t [J, W], table [N, >= W], out [>= m, J], all one float dtype. Each
+    dot sums blocks of ``DOT_BLOCK`` features in order, then adds the block
+    sums in order with compensation (see DOT_BLOCK).
     """
     n_j, width = rows_t.shape
-    rows_tr = np.ascontiguousarray(rows_t.T)  # [W, J]
+    rows_tr = np.ascontiguousarray(rows_t.T)  # [W, J]: the inner loop runs over j
+    part = np.zeros((1, n_j), out.dtype)
+    comp = np.empty((1, n_j), out.dtype)
     for a in range(m):
         key_row = table[idx_row[slots[a]]]
-        acc = out[a]
+        acc = out[a:a + 1, :]
         acc[:] = 0
-        for c in range(width):
-            x = key_row[c]
-            for j in range(n_j):
-                acc[j] += rows_tr[c, j] * x
+        comp[:] = 0
+        for c0 in range(0, width, DOT_BLOCK):
+            for c in range(c0, min(c0 + DOT_BLOCK, width)):
+                x = key_row[c]
+                for j in range(n_j):
+                    part[0, j] += rows_tr[c, j] * x
+            flush(part, acc, comp)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FMA)
 def _softmax_slots(logits, m, lse_t):
     """In place over logits[:m, j] for every head j: logits -> probabilities.
 
-    Writes lse_t[j] = max + log(sum exp(logit - max)).
+    Writes lse_t[j] = max + log(sum exp(logit - max)); the sum runs over
+    blocks of ``SLOT_BLOCK`` slots (two-level, compensated).
     """
     n_h = logits.shape[1]
-    top = np.empty(n_h, logits.dtype)
-    total = np.zeros(n_h, logits.dtype)
+    top = np.empty((1, n_h), logits.dtype)
+    part = np.zeros((1, n_h), logits.dtype)
+    total = np.zeros((1, n_h), logits.dtype)
+    comp = np.zeros((1, n_h), logits.dtype)
     top[:] = -np.inf
     for a in range(m):
         for j in range(n_h):
-            if logits[a, j] > top[j]:
-                top[j] = logits[a, j]
+            if logits[a, j] > top[0, j]:
+                top[0, j] = logits[a, j]
     for a in range(m):
         for j in range(n_h):
-            e = np.exp(logits[a, j] - top[j])
+            e = np.exp(logits[a, j] - top[0, j])
             logits[a, j] = e
-            total[j] += e
+            part[0, j] += e
+        if (a + 1) % SLOT_BLOCK == 0 or a == m - 1:
+            flush(part, total, comp)
     for a in range(m):
         for j in range(n_h):
-            logits[a, j] /= total[j]
+            logits[a, j] /= total[0, j]
     for j in range(n_h):
-        lse_t[j] = top[j] + np.log(total[j])
+        lse_t[j] = top[0, j] + np.log(total[0, j])
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FMA)
 def _forward_row(q_t, kv, idx_row, d_v, scale, out_t, lse_t, probs_t):
     """One query: out_t [h, d_v] (compute dtype), lse_t [h], probs_t [k] (float32)."""
     n_h = q_t.shape[0]
@@ -114,19 +134,23 @@ def _forward_row(q_t, kv, idx_row, d_v, scale, out_t, lse_t, probs_t):
         for j in range(n_h):
             p[a, j] *= scale
     _softmax_slots(p, m, lse_t)
-    mass = np.zeros(m, p.dtype)
+    part = np.zeros((n_h, d_v), q_t.dtype)
+    comp = np.zeros((n_h, d_v), q_t.dtype)
     for a in range(m):
         v = kv[idx_row[slots[a]]]
+        mass = q_t.dtype.type(0)
         for j in range(n_h):
             p_aj = p[a, j]
-            mass[a] += p_aj
-            o = out_t[j]
+            mass += p_aj
+            o = part[j]
             for c in range(d_v):
                 o[c] += p_aj * v[c]
-        probs_t[slots[a]] = mass[a]
+        probs_t[slots[a]] = mass
+        if (a + 1) % SLOT_BLOCK == 0 or a == m - 1:
+            flush(part, out_t, comp)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=FMA)
 def _forward(q, kv, indices, d_v, scale, out, lse, probs):
     for t in prange(q.shape[0]):
         _forward_row(q[t], kv, indices[t], d_v, scale, out[t], lse[t], probs[t])
@@ -144,7 +168,7 @@ def sparse_attention(q, kv, indices, d_v: int, scale: float) -> tuple[np.ndarray
     return out.astype(q.dtype, copy=False), lse, probs
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FMA)
 def _backward_row(q_t, kv, idx_row, out_t, lse_t, dout_t, scale, dq_t, coef_t):
     """One query's dq_t [h, d_qk] and key-side weights coef_t [k, 2h].
 
@@ -161,26 +185,44 @@ def _backward_row(q_t, kv, idx_row, out_t, lse_t, dout_t, scale, dq_t, coef_t):
     dp = np.empty((m, n_h), q_t.dtype)
     gather_dots(q_t, kv, idx_row, slots, m, p)
     gather_dots(dout_t, kv, idx_row, slots, m, dp)
-    big_d = np.zeros(n_h, q_t.dtype)
-    for j in range(n_h):
-        for c in range(d_v):
-            big_d[j] += dout_t[j, c] * out_t[j, c]
+    big_d = np.empty((1, n_h), q_t.dtype)
+    rows_dots(dout_t, out_t, big_d[0])
+    part = np.zeros(dq_t.shape, q_t.dtype)
+    comp = np.zeros(dq_t.shape, q_t.dtype)
     for a in range(m):
         key_row = kv[idx_row[slots[a]]]
         for j in range(n_h):
             p_aj = np.exp(p[a, j] * scale - lse_t[j])
-            dlogit = p_aj * (dp[a, j] - big_d[j])
+            dlogit = p_aj * (dp[a, j] - big_d[0, j])
             coef_t[slots[a], j] = scale * dlogit
             coef_t[slots[a], n_h + j] = p_aj
-            g = dq_t[j]
+            g = part[j]
             for c in range(g.shape[0]):
                 g[c] += dlogit * key_row[c]
+        if (a + 1) % SLOT_BLOCK == 0 or a == m - 1:
+            flush(part, dq_t, comp)
     for j in range(n_h):
         for c in range(dq_t.shape[1]):
             dq_t[j, c] *= scale
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, fastmath=FMA)
+def rows_dots(a, b, out):
+    """out[j] = dot(a[j], b[j]) for 2-D a, b of one shape, summed as gather_dots does."""
+    part = np.zeros((1, 1), out.dtype)
+    total = np.zeros((1, 1), out.dtype)
+    comp = np.zeros((1, 1), out.dtype)
+    for j in range(a.shape[0]):
+        total[0, 0] = 0
+        comp[0, 0] = 0
+        for c0 in range(0, a.shape[1], DOT_BLOCK):
+            for c in range(c0, min(c0 + DOT_BLOCK, a.shape[1])):
+                part[0, 0] += a[j, c] * b[j, c]
+            flush(part, total, comp)
+        out[j] = total[0, 0]
+
+
+@njit(cache=True, parallel=True, fastmath=FMA)
 def _backward_rows(q, kv, indices, out, lse, dout, scale, dq, coef):
     for t in prange(q.shape[0]):
         _backward_row(q[t], kv, indices[t], out[t], lse[t], dout[t], scale, dq[t], coef[t])

@@ -25,6 +25,15 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+# The only fast-math freedom the kernels take: a * b + c may become one fused
+# multiply-add (one rounding instead of two). No reassociation, no NaN/inf
+# assumptions: every sum keeps its stated order, and the compiled code is
+# the same on every run, so results stay bitwise reproducible.
+FMA = {"contract"}
+
+# A pair's sum over j runs in blocks of HEAD_BLOCK (see flush).
+HEAD_BLOCK = 32
+
 # Elements of one chunk's coefficient buffer (coef [T, k, J]): 2**22 floats,
 # 16 MiB in float32.
 COEF_BUDGET = 1 << 22
@@ -70,22 +79,53 @@ def rows_per_chunk(n_rows: int, k: int, n_coef: int) -> int:
     return max(1, min(rows, n_rows))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, fastmath=FMA)
+def flush(part, total, comp):
+    """Close a block: total += part with Kahan compensation comp; part = 0.
+
+    part, total and comp are 2-D of one shape; comp starts at 0 with total.
+    Only adds and subtracts, so the FMA flag leaves the compensation intact.
+    """
+    for j in range(part.shape[0]):
+        for c in range(part.shape[1]):
+            y = part[j, c] - comp[j, c]
+            t = total[j, c] + y
+            comp[j, c] = (t - total[j, c]) - y
+            total[j, c] = t
+            part[j, c] = 0
+
+
+@njit(cache=True, fastmath=FMA)
+def _pair_sum(coef_ti, rows_t, widths, part, pair, comp):
+    """pair[0, :] = sum_j coef_ti[j] * rows_t[j, :widths[j]]: blocks of
+    HEAD_BLOCK heads, compensated across blocks."""
+    n_j = coef_ti.shape[0]
+    pair[:] = 0
+    comp[:] = 0
+    for j in range(n_j):
+        c_j = coef_ti[j]
+        if c_j != 0:  # an exact zero weight adds nothing
+            src = rows_t[j]
+            for c in range(widths[j]):
+                part[0, c] += c_j * src[c]
+        if (j + 1) % HEAD_BLOCK == 0 or j == n_j - 1:
+            flush(part, pair, comp)
+
+
+@njit(cache=True, parallel=True, fastmath=FMA)
 def _accumulate(keys, starts, pairs, coef, rows, widths, out):
     k = coef.shape[1]
-    n_j = coef.shape[2]
     for u in prange(keys.shape[0]):
         dst = out[keys[u]]
+        part = np.zeros((1, rows.shape[2]), out.dtype)
+        pair = np.zeros((1, rows.shape[2]), out.dtype)
+        comp = np.zeros((1, rows.shape[2]), out.dtype)
         for e in range(starts[u], starts[u + 1]):
             t = pairs[e] // k
             i = pairs[e] - t * k
-            for j in range(n_j):
-                c_j = coef[t, i, j]
-                if c_j == 0:  # an exact zero weight adds nothing
-                    continue
-                src = rows[t, j]
-                for c in range(widths[j]):
-                    dst[c] += c_j * src[c]
+            _pair_sum(coef[t, i], rows[t], widths, part, pair, comp)
+            for c in range(pair.shape[1]):
+                dst[c] += pair[0, c]
 
 
 def accumulate_by_key(table: KeyMajor, coef: np.ndarray, rows: np.ndarray, widths: np.ndarray,
@@ -98,6 +138,9 @@ def accumulate_by_key(table: KeyMajor, coef: np.ndarray, rows: np.ndarray, width
     chunk's key-side weights and vectors; ``table`` is ``key_major`` of the
     chunk's [T, k] selection; widths int64 [J] with widths[j] <= W and
     <= out.shape[1]; out [N_keys, >= W] accumulates (C-contiguous).
-    One thread per key, so no two threads write one row.
+    One thread per key, so no two threads write one row. Sums go in fixed
+    order: a pair's sum over j (blocks of HEAD_BLOCK, compensated across
+    blocks), then pair by pair into ``out``, plainly, so that a pair's
+    contribution never depends on where a chunk starts.
     """
     _accumulate(table.keys, table.starts, table.pairs, coef, rows, widths, out)

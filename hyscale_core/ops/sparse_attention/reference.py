@@ -8,8 +8,8 @@ For query t, head j and slot i with key s = indices[t, i] >= 0:
     lse[t, j]      = log(sum_i exp(logit[t, j, i]))     (-inf without valid slots)
     probs[t, i]    = sum_j p[t, j, i]                   (0 at -1 slots)
 
-Everything is materialised ([N, h, k] logits, [N, k, d_qk] gathered keys):
-slow and obvious, for tests on small sizes.
+Everything is materialised ([N, h, k] logits, [N, k, d_qk] gathered keys)
+and multiplied as batched float64 matrices: obvious, for tests on small N.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _gather(kv: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 def _logits(q: np.ndarray, sel: np.ndarray, valid: np.ndarray, scale: float) -> np.ndarray:
     """float64 [N, h, k] logits, -inf at -1 slots."""
-    logits = scale * np.einsum("thd,tid->thi", np.asarray(q, dtype=np.float64), sel)
+    logits = scale * (np.asarray(q, dtype=np.float64) @ sel.transpose(0, 2, 1))
     return np.where(valid[:, None, :], logits, -np.inf)
 
 
@@ -40,7 +40,7 @@ def sparse_attention(q: np.ndarray, kv: np.ndarray, indices: np.ndarray, d_v: in
     p = e / np.where(total > 0, total, 1.0)
     with np.errstate(divide="ignore"):
         lse = np.where(total[..., 0] > 0, top[..., 0] + np.log(total[..., 0]), -np.inf)
-    out = np.einsum("thi,tic->thc", p, sel[:, :, :d_v])
+    out = p @ sel[:, :, :d_v]
     return out, lse, p.sum(axis=1)
 
 
@@ -59,11 +59,11 @@ def sparse_attention_backward(q: np.ndarray, kv: np.ndarray, indices: np.ndarray
         p = np.exp(_logits(q64, sel, valid, scale) - lse64[:, :, None])
     p = np.where(valid[:, None, :], p, 0.0)
     big_d = (dout64 * out64).sum(axis=2)
-    dp = np.einsum("thc,tic->thi", dout64, sel[:, :, :d_v])
+    dp = dout64 @ sel[:, :, :d_v].transpose(0, 2, 1)
     dlogit = p * (dp - big_d[:, :, None])
-    dq = scale * np.einsum("thi,tid->thd", dlogit, sel)
-    dsel = scale * np.einsum("thi,thd->tid", dlogit, q64)
-    dsel[:, :, :d_v] += np.einsum("thi,thc->tic", p, dout64)
+    dq = scale * (dlogit @ sel)
+    dsel = scale * (dlogit.transpose(0, 2, 1) @ q64)
+    dsel[:, :, :d_v] += p.transpose(0, 2, 1) @ dout64
     dkv = np.zeros(kv.shape, dtype=np.float64)
     np.add.at(dkv, indices[valid], dsel[valid])
     return dq, dkv
