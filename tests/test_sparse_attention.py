@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import same_bits, to_host
+from helpers import assert_within_twice_naive, finite_difference, rounding, same_bits, to_host
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.sparse_attention import keymajor, reference
 
@@ -43,15 +43,9 @@ def naive_dtype(q, kv):
     return max((np.dtype(q.dtype), np.dtype(kv.dtype)), key=lambda d: float(np.finfo(d).eps))
 
 
-def _rounding(dtype):
-    """``(wide dtype, r)``: r rounds an array to ``dtype`` and back to the wide dtype."""
-    wide = np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
-    return wide, lambda x: np.asarray(x).astype(dtype).astype(wide)
-
-
 def _naive_logits(q, kv, indices, scale, dtype):
     """``(valid, gathered keys, logits)`` computed plainly in ``dtype`` (-inf at -1 slots)."""
-    wide, r = _rounding(dtype)
+    wide, r = rounding(dtype)
     valid = indices >= 0
     sel = kv.astype(wide)[np.where(valid, indices, 0)]
     logits = r(r(q.astype(wide) @ sel.transpose(0, 2, 1)) * wide.type(scale))
@@ -60,7 +54,7 @@ def _naive_logits(q, kv, indices, scale, dtype):
 
 def naive_forward(q, kv, indices, d_v, scale, dtype):
     """The forward computed plainly in ``dtype``: ``(out, lse, probs)``."""
-    wide, r = _rounding(dtype)
+    wide, r = rounding(dtype)
     _, sel, logits = _naive_logits(q, kv, indices, scale, dtype)
     top = logits.max(axis=2, keepdims=True, initial=-np.inf)
     top = np.where(np.isfinite(top), top, 0)
@@ -78,7 +72,7 @@ def naive_backward(q, kv, indices, dout, d_v, scale, dtype):
     own naive forward: p recomputed as exp(logit - lse), lse rounded to
     ``dtype`` as the forward saves it (float32 for float32 inputs). dkv sums
     the pairs in (query, slot) order, ROWS queries at a time."""
-    wide, r = _rounding(dtype)
+    wide, r = rounding(dtype)
     dq, dkv = [], np.zeros(kv.shape, wide)
     for t in range(0, q.shape[0], ROWS):
         rows = slice(t, t + ROWS)
@@ -90,7 +84,7 @@ def naive_backward(q, kv, indices, dout, d_v, scale, dtype):
 
 def _naive_backward_rows(q, kv, indices, dout, d_v, scale, dtype):
     """``(dq, dsel [N, k, d_qk], valid)`` of a few rows, plainly in ``dtype``."""
-    wide, r = _rounding(dtype)
+    wide, r = rounding(dtype)
     out, lse, _ = naive_forward(q, kv, indices, d_v, scale, dtype)
     valid, sel, logits = _naive_logits(q, kv, indices, scale, dtype)
     with np.errstate(invalid="ignore"):
@@ -102,20 +96,6 @@ def _naive_backward_rows(q, kv, indices, dout, d_v, scale, dtype):
     dsel = r(r(dlogit.transpose(0, 2, 1) @ q_) * wide.type(scale))
     dsel[:, :, :d_v] = r(dsel[:, :, :d_v] + r(p.transpose(0, 2, 1) @ dout_))
     return dq, dsel, valid
-
-
-def max_err(a, ref, mask=None):
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    if mask is not None:
-        a, ref = a[mask], ref[mask]
-    return float(np.abs(a - ref).max(initial=0.0))
-
-
-def assert_within_twice_naive(name, ours, naive, ref, mask=None):
-    """max|ours - ref| <= 2 max|naive - ref| (+ a float64-rounding floor)."""
-    floor = 1e-12 * max(float(np.abs(ref[mask] if mask is not None else ref).max(initial=0.0)), 1.0)
-    err, naive_err = max_err(ours, ref, mask), max_err(naive, ref, mask)
-    assert err <= 2 * naive_err + floor, f"{name}: error {err:.3g} vs naive {naive_err:.3g}"
 
 
 ROWS = 4  # references and naive versions go over this many queries at a time (memory)
@@ -240,20 +220,6 @@ def _fd_case():
     indices = np.array([[0, 2, -1], [3, 3, 1], [-1, -1, -1], [4, 0, 4]], dtype=np.int32)
     dout = rng.standard_normal((4, 2, 4))
     return q, kv, indices, dout
-
-
-def finite_difference(f, x, eps=1e-6):
-    """Central differences of the scalar f at every entry of x (float64)."""
-    grad = np.zeros_like(x)
-    for pos in np.ndindex(x.shape):
-        keep = x[pos]
-        x[pos] = keep + eps
-        up = f()
-        x[pos] = keep - eps
-        down = f()
-        x[pos] = keep
-        grad[pos] = (up - down) / (2 * eps)
-    return grad
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])

@@ -26,13 +26,22 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..sparse_attention.cpu import compute_dtype, gather_dots, valid_slots
-from ..sparse_attention.keymajor import FMA, accumulate_by_key, key_major, rows_per_chunk
+from ..sparse_attention.cpu import SLOT_BLOCK, compute_dtype, gather_dots, valid_slots
+from ..sparse_attention.keymajor import FMA, accumulate_by_key, flush, key_major, rows_per_chunk
+
+
+@njit(cache=True, fastmath=FMA, inline="always")
+def _kahan(total, comp, x):
+    """One compensated add: returns the new ``(total, comp)``."""
+    y = x - comp
+    t = total + y
+    return t, (t - total) - y
 
 
 @njit(cache=True, parallel=True, fastmath=FMA)
 def _scores_at(q, k, w, indices, scores):
-    """scores[t, i] = sum_h w[t, h] * relu(q[t, h] . k[s]), heads in ascending order."""
+    """scores[t, i] = sum_h w[t, h] * relu(q[t, h] . k[s]), heads in ascending
+    order with compensation."""
     n_h = q.shape[1]
     zero = q.dtype.type(0)
     for t in prange(q.shape[0]):
@@ -43,10 +52,10 @@ def _scores_at(q, k, w, indices, scores):
         dots = np.empty((m, n_h), q.dtype)
         gather_dots(q[t], k, idx_row, slots, m, dots)
         for a in range(m):
-            acc = zero
+            acc, comp = zero, zero
             for h in range(n_h):
                 x = dots[a, h]
-                acc += w[t, h] * (zero if x <= zero else x)
+                acc, comp = _kahan(acc, comp, w[t, h] * (zero if x <= zero else x))
             scores[t, slots[a]] = acc
 
 
@@ -64,29 +73,36 @@ def _backward_row(q_t, k, w_t, idx_row, g_row, dq_t, dw_t, coef_t):
     """One query's dq_t [H, D], dw_t [H] and key-side weights coef_t [kk, H].
 
     coef_t[i, h] = dscores[t, i] * w[t, h] * relu'(x), x = q[t, h] . k[s].
+    Sums over slots run in blocks of SLOT_BLOCK, compensated across blocks.
     """
     n_h = q_t.shape[0]
+    zero = q_t.dtype.type(0)
     slots = np.empty(idx_row.shape[0], np.int64)
     m = valid_slots(idx_row, slots)
     dq_t[:] = 0
-    dw_t[:] = 0
     dots = np.empty((m, n_h), q_t.dtype)
     gather_dots(q_t, k, idx_row, slots, m, dots)
+    dw_2d = np.zeros((1, n_h), q_t.dtype)
+    dw_part, dw_comp = np.zeros((1, n_h), q_t.dtype), np.zeros((1, n_h), q_t.dtype)
+    dq_part, dq_comp = np.zeros(dq_t.shape, q_t.dtype), np.zeros(dq_t.shape, q_t.dtype)
     for a in range(m):
         g = g_row[slots[a]]
         key_row = k[idx_row[slots[a]]]
         for h in range(n_h):
             x = dots[a, h]
-            if x > 0:
-                dw_t[h] += g * x
+            c_h = zero
+            if x > zero:
+                dw_part[0, h] += g * x
                 c_h = g * w_t[h]
-            else:
-                c_h = q_t.dtype.type(0)
             coef_t[slots[a], h] = c_h
-            if c_h != 0:
-                row = dq_t[h]
+            if c_h != zero:
+                row = dq_part[h]
                 for c in range(row.shape[0]):
                     row[c] += c_h * key_row[c]
+        if (a + 1) % SLOT_BLOCK == 0 or a == m - 1:
+            flush(dw_part, dw_2d, dw_comp)
+            flush(dq_part, dq_t, dq_comp)
+    dw_t[:] = dw_2d[0]
 
 
 @njit(cache=True, parallel=True, fastmath=FMA)
@@ -121,28 +137,31 @@ def indexer_scores_at_backward(q, k, w, indices, dscores) -> tuple[np.ndarray, n
 
 @njit(cache=True, fastmath=FMA)
 def _kl_row(s, probs, inv_n, d_row):
-    """One row's KL(target || softmax(s)) over its finite slots; writes d_row [kk]."""
+    """One row's KL(target || softmax(s)) over its finite slots; writes d_row [kk].
+
+    The row's sums (target mass, softmax normaliser, loss) are compensated.
+    """
     zero = s.dtype.type(0)
     d_row[:] = 0
     top = s.dtype.type(-np.inf)
-    mass = zero
+    mass, c_mass = zero, zero
     for i in range(s.shape[0]):
         if s[i] > -np.inf:
             top = max(top, s[i])
-            mass += probs[i]
-    if top == -np.inf or not mass > 0:
+            mass, c_mass = _kahan(mass, c_mass, probs[i])
+    if top == -np.inf or not mass > zero:
         return zero
-    total = zero
+    total, c_total = zero, zero
     for i in range(s.shape[0]):
         if s[i] > -np.inf:
-            total += np.exp(s[i] - top)
+            total, c_total = _kahan(total, c_total, np.exp(s[i] - top))
     log_total = np.log(total)
-    loss = zero
+    loss, c_loss = zero, zero
     for i in range(s.shape[0]):
         if s[i] > -np.inf:
             target = probs[i] / mass
-            if target > 0:
-                loss += target * (np.log(target) - (s[i] - top - log_total))
+            if target > zero:
+                loss, c_loss = _kahan(loss, c_loss, target * (np.log(target) - (s[i] - top - log_total)))
             d_row[i] = (np.exp(s[i] - top) / total - target) * inv_n
     return loss
 

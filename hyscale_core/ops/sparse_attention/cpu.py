@@ -33,12 +33,13 @@ from numba import njit, prange
 
 from .keymajor import FMA, accumulate_by_key, flush, key_major, rows_per_chunk
 
-# Two-level accumulation, in float32 for 16- and 32-bit inputs: sums over
-# features go in blocks of DOT_BLOCK, sums over a row's slots in blocks of
-# SLOT_BLOCK. Each block sums plainly (fused multiply-adds) in its own
-# partial; the partials enter the total in order with a compensated
-# (Kahan) add, so the total carries about one block's rounding error rather
-# than count's. The order is fixed, so results are reproducible.
+# Blocked accumulation, in float32 for 16- and 32-bit inputs: sums over
+# features go in blocks of DOT_BLOCK (in 4 interleaved lanes, as SIMD BLAS
+# kernels do), sums over a row's slots in blocks of SLOT_BLOCK. Each block
+# sums plainly (fused multiply-adds) in its own partial; the partials enter
+# the total in order with a compensated (Kahan) add, so the total carries
+# about one block's rounding error rather than count's. The order is fixed,
+# so results are reproducible.
 DOT_BLOCK = 32
 SLOT_BLOCK = 32
 
@@ -65,12 +66,14 @@ def valid_slots(idx_row, slots):
 def gather_dots(rows_t, table, idx_row, slots, m, out):
     """out[a, j] = dot(rows_t[j, :W], table[idx_row[slots[a]], :W]) for a < m.
 
-    rows_t [J, W], table [N, >= W], out [>= m, J], all one float dtype. Each
-    dot sums blocks of ``DOT_BLOCK`` features in order, then adds the block
-    sums in order with compensation (see DOT_BLOCK).
+    rows_t [J, W], table [N, >= W], out [>= m, J], all one float dtype.
+    Each dot goes over blocks of DOT_BLOCK features; inside a block, feature
+    c feeds lane c % 4 (fused multiply-adds), the lanes are added pairwise,
+    and the block sums enter the total with compensation (flush).
     """
     n_j, width = rows_t.shape
     rows_tr = np.ascontiguousarray(rows_t.T)  # [W, J]: the inner loop runs over j
+    lanes = np.zeros((4, n_j), out.dtype)
     part = np.zeros((1, n_j), out.dtype)
     comp = np.empty((1, n_j), out.dtype)
     for a in range(m):
@@ -81,8 +84,12 @@ def gather_dots(rows_t, table, idx_row, slots, m, out):
         for c0 in range(0, width, DOT_BLOCK):
             for c in range(c0, min(c0 + DOT_BLOCK, width)):
                 x = key_row[c]
+                lane = lanes[(c - c0) % 4]
                 for j in range(n_j):
-                    part[0, j] += rows_tr[c, j] * x
+                    lane[j] += rows_tr[c, j] * x
+            for j in range(n_j):
+                part[0, j] = (lanes[0, j] + lanes[1, j]) + (lanes[2, j] + lanes[3, j])
+            lanes[:] = 0
             flush(part, acc, comp)
 
 
@@ -185,15 +192,15 @@ def _backward_row(q_t, kv, idx_row, out_t, lse_t, dout_t, scale, dq_t, coef_t):
     dp = np.empty((m, n_h), q_t.dtype)
     gather_dots(q_t, kv, idx_row, slots, m, p)
     gather_dots(dout_t, kv, idx_row, slots, m, dp)
-    big_d = np.empty((1, n_h), q_t.dtype)
-    rows_dots(dout_t, out_t, big_d[0])
+    big_d = np.empty((n_h, 1), q_t.dtype)
+    rows_dots(dout_t, out_t, big_d)
     part = np.zeros(dq_t.shape, q_t.dtype)
     comp = np.zeros(dq_t.shape, q_t.dtype)
     for a in range(m):
         key_row = kv[idx_row[slots[a]]]
         for j in range(n_h):
             p_aj = np.exp(p[a, j] * scale - lse_t[j])
-            dlogit = p_aj * (dp[a, j] - big_d[0, j])
+            dlogit = p_aj * (dp[a, j] - big_d[j, 0])
             coef_t[slots[a], j] = scale * dlogit
             coef_t[slots[a], n_h + j] = p_aj
             g = part[j]
@@ -208,18 +215,11 @@ def _backward_row(q_t, kv, idx_row, out_t, lse_t, dout_t, scale, dq_t, coef_t):
 
 @njit(cache=True, fastmath=FMA)
 def rows_dots(a, b, out):
-    """out[j] = dot(a[j], b[j]) for 2-D a, b of one shape, summed as gather_dots does."""
-    part = np.zeros((1, 1), out.dtype)
-    total = np.zeros((1, 1), out.dtype)
-    comp = np.zeros((1, 1), out.dtype)
+    """out[j, 0] = dot(a[j], b[j]) for 2-D a, b of one shape, summed exactly as
+    gather_dots sums (so dout . out equals dout . v bitwise when out = v)."""
+    first = np.zeros(1, np.int64)
     for j in range(a.shape[0]):
-        total[0, 0] = 0
-        comp[0, 0] = 0
-        for c0 in range(0, a.shape[1], DOT_BLOCK):
-            for c in range(c0, min(c0 + DOT_BLOCK, a.shape[1])):
-                part[0, 0] += a[j, c] * b[j, c]
-            flush(part, total, comp)
-        out[j] = total[0, 0]
+        gather_dots(a[j:j + 1], b[j:j + 1], first, first, 1, out[j:j + 1])
 
 
 @njit(cache=True, parallel=True, fastmath=FMA)

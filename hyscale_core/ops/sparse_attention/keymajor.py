@@ -96,20 +96,28 @@ def flush(part, total, comp):
 
 
 @njit(cache=True, fastmath=FMA)
-def _pair_sum(coef_ti, rows_t, widths, part, pair, comp):
-    """pair[0, :] = sum_j coef_ti[j] * rows_t[j, :widths[j]]: blocks of
-    HEAD_BLOCK heads, compensated across blocks."""
+def _pair_sum(coef_ti, rows_t, widths, lanes, part, pair, comp):
+    """pair[0, :] = sum_j coef_ti[j] * rows_t[j, :widths[j]].
+
+    Blocks of HEAD_BLOCK heads; inside a block head j feeds lane j % 4, the
+    lanes are added pairwise, and block sums are compensated (flush), as
+    the feature sums of sparse_attention.cpu.gather_dots.
+    """
     n_j = coef_ti.shape[0]
     pair[:] = 0
     comp[:] = 0
-    for j in range(n_j):
-        c_j = coef_ti[j]
-        if c_j != 0:  # an exact zero weight adds nothing
-            src = rows_t[j]
-            for c in range(widths[j]):
-                part[0, c] += c_j * src[c]
-        if (j + 1) % HEAD_BLOCK == 0 or j == n_j - 1:
-            flush(part, pair, comp)
+    for j0 in range(0, n_j, HEAD_BLOCK):
+        for j in range(j0, min(j0 + HEAD_BLOCK, n_j)):
+            c_j = coef_ti[j]
+            if c_j != 0:  # an exact zero weight adds nothing
+                src = rows_t[j]
+                lane = lanes[(j - j0) % 4]
+                for c in range(widths[j]):
+                    lane[c] += c_j * src[c]
+        for c in range(part.shape[1]):
+            part[0, c] = (lanes[0, c] + lanes[1, c]) + (lanes[2, c] + lanes[3, c])
+        lanes[:] = 0
+        flush(part, pair, comp)
 
 
 @njit(cache=True, parallel=True, fastmath=FMA)
@@ -117,13 +125,14 @@ def _accumulate(keys, starts, pairs, coef, rows, widths, out):
     k = coef.shape[1]
     for u in prange(keys.shape[0]):
         dst = out[keys[u]]
+        lanes = np.zeros((4, rows.shape[2]), out.dtype)
         part = np.zeros((1, rows.shape[2]), out.dtype)
         pair = np.zeros((1, rows.shape[2]), out.dtype)
         comp = np.zeros((1, rows.shape[2]), out.dtype)
         for e in range(starts[u], starts[u + 1]):
             t = pairs[e] // k
             i = pairs[e] - t * k
-            _pair_sum(coef[t, i], rows[t], widths, part, pair, comp)
+            _pair_sum(coef[t, i], rows[t], widths, lanes, part, pair, comp)
             for c in range(pair.shape[1]):
                 dst[c] += pair[0, c]
 
@@ -139,8 +148,8 @@ def accumulate_by_key(table: KeyMajor, coef: np.ndarray, rows: np.ndarray, width
     chunk's [T, k] selection; widths int64 [J] with widths[j] <= W and
     <= out.shape[1]; out [N_keys, >= W] accumulates (C-contiguous).
     One thread per key, so no two threads write one row. Sums go in fixed
-    order: a pair's sum over j (blocks of HEAD_BLOCK, compensated across
-    blocks), then pair by pair into ``out``, plainly, so that a pair's
-    contribution never depends on where a chunk starts.
+    order: a pair's sum over j (blocks of HEAD_BLOCK in 4 lanes,
+    compensated across blocks), then pair by pair into ``out``, plainly, so
+    that a pair's contribution never depends on where a chunk starts.
     """
     _accumulate(table.keys, table.starts, table.pairs, coef, rows, widths, out)
