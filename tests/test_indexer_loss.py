@@ -15,6 +15,7 @@ from helpers import assert_within_twice_naive, finite_difference, rounding, same
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.indexer_loss import reference
 from hyscale_core.ops.sparse_attention import keymajor
+from hyscale_core.ops.sparse_attention.reference import scatter_add
 
 BACKENDS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 DTYPES = [pytest.param(np.dtype(d), id=np.dtype(d).name) for d in (np.float16, bfloat16, np.float32, np.float64)]
@@ -77,7 +78,7 @@ def naive_scores_backward(q, keys, w, indices, dscores):
         coef = r(g[:, None, :] * w_[:, :, None]) * (logits > 0)
         dq.append(r(coef @ sel))
         dsel = r(coef.transpose(0, 2, 1) @ q[rows].astype(wide))
-        np.add.at(dk, indices[rows][valid], dsel[valid])
+        dk += scatter_add(indices[rows], dsel, keys.shape[0])
     return (np.concatenate(dq).astype(q.dtype), r(dk).astype(keys.dtype), np.concatenate(dw).astype(w.dtype))
 
 

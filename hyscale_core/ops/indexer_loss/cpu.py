@@ -125,13 +125,14 @@ def indexer_scores_at_backward(q, k, w, indices, dscores) -> tuple[np.ndarray, n
     dq = np.empty((n, n_h, dim), dt)
     dw = np.empty((n, n_h), dt)
     dk = np.zeros((k.shape[0], dim), dt)
+    dk_comp = np.zeros_like(dk)
     widths = np.full(n_h, dim, dtype=np.int64)
     step = rows_per_chunk(n, kk, n_h)
     for t0 in range(0, n, step):
         t1 = min(t0 + step, n)
         coef = np.empty((t1 - t0, kk, n_h), dt)
         _backward_rows(q_c[t0:t1], k_c, w_c[t0:t1], indices[t0:t1], g_c[t0:t1], dq[t0:t1], dw[t0:t1], coef)
-        accumulate_by_key(key_major(indices[t0:t1]), coef, q_c[t0:t1], widths, dk)
+        accumulate_by_key(key_major(indices[t0:t1]), coef, q_c[t0:t1], widths, dk, dk_comp)
     return dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False), dw.astype(w.dtype, copy=False)
 
 

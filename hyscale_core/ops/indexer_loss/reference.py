@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..sparse_attention.reference import scatter_add
+
 
 def _gather(q, k, indices):
     """``(valid [N, kk], selected float64 [N, kk, D], logits float64 [N, H, kk])``."""
@@ -36,9 +38,7 @@ def indexer_scores_at_backward(q: np.ndarray, k: np.ndarray, w: np.ndarray, indi
     coef = g[:, None, :] * w64[:, :, None] * (logits > 0)
     dq = np.einsum("thi,tid->thd", coef, sel)
     dsel = np.einsum("thi,thd->tid", coef, np.asarray(q, dtype=np.float64))
-    dk = np.zeros(k.shape, dtype=np.float64)
-    np.add.at(dk, indices[valid], dsel[valid])
-    return dq, dk, dw
+    return dq, scatter_add(indices, dsel, k.shape[0]), dw
 
 
 def indexer_kl_loss(scores_at: np.ndarray, probs: np.ndarray) -> tuple[float, np.ndarray]:

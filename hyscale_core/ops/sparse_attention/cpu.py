@@ -243,6 +243,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
     k = indices.shape[1]
     dq = np.empty((n, n_h, d_qk), dt)
     dkv = np.zeros((kv.shape[0], d_qk), dt)
+    dkv_comp = np.zeros_like(dkv)
     widths = np.array([d_qk] * n_h + [d_v] * n_h, dtype=np.int64)
     step = rows_per_chunk(n, k, 2 * n_h)
     for t0 in range(0, n, step):
@@ -253,5 +254,5 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
         rows = np.zeros((t1 - t0, 2 * n_h, d_qk), dt)
         rows[:, :n_h] = q_c[t0:t1]
         rows[:, n_h:, :d_v] = dout_c[t0:t1]
-        accumulate_by_key(key_major(indices[t0:t1]), coef, rows, widths, dkv)
+        accumulate_by_key(key_major(indices[t0:t1]), coef, rows, widths, dkv, dkv_comp)
     return dq.astype(q.dtype, copy=False), dkv.astype(kv.dtype, copy=False)

@@ -11,11 +11,12 @@ threads.
 
 Backward passes go over the queries in chunks (ascending); each chunk's
 key-side weights live in a buffer ``coef [T, k, J]``, and its pairs are added
-to the gradient rows key by key. Because chunks come in ascending query
-order and every key's pairs are added in ascending order inside a chunk,
-the summation order of each gradient element is the global ascending
-(query, slot, j) order whatever the chunk size: chunking bounds memory
-without changing a bit.
+to the gradient rows key by key, with a Kahan compensation per gradient
+element kept across chunks. Because chunks come in ascending query order
+and every key's pairs are added in ascending order inside a chunk, each
+gradient element sees the same sequence of compensated adds, in global
+ascending (query, slot) order, whatever the chunk size: chunking bounds
+memory without changing a bit.
 """
 from __future__ import annotations
 
@@ -121,35 +122,37 @@ def _pair_sum(coef_ti, rows_t, widths, lanes, part, pair, comp):
 
 
 @njit(cache=True, parallel=True, fastmath=FMA)
-def _accumulate(keys, starts, pairs, coef, rows, widths, out):
+def _accumulate(keys, starts, pairs, coef, rows, widths, out, comp):
     k = coef.shape[1]
     for u in prange(keys.shape[0]):
-        dst = out[keys[u]]
+        key = keys[u]
         lanes = np.zeros((4, rows.shape[2]), out.dtype)
         part = np.zeros((1, rows.shape[2]), out.dtype)
         pair = np.zeros((1, rows.shape[2]), out.dtype)
-        comp = np.zeros((1, rows.shape[2]), out.dtype)
+        pair_comp = np.zeros((1, rows.shape[2]), out.dtype)
         for e in range(starts[u], starts[u + 1]):
             t = pairs[e] // k
             i = pairs[e] - t * k
-            _pair_sum(coef[t, i], rows[t], widths, lanes, part, pair, comp)
-            for c in range(pair.shape[1]):
-                dst[c] += pair[0, c]
+            _pair_sum(coef[t, i], rows[t], widths, lanes, part, pair, pair_comp)
+            flush(pair, out[key:key + 1], comp[key:key + 1])
 
 
 def accumulate_by_key(table: KeyMajor, coef: np.ndarray, rows: np.ndarray, widths: np.ndarray,
-                      out: np.ndarray) -> None:
+                      out: np.ndarray, comp: np.ndarray) -> None:
     """In place, for every pair (t, i) of key s in ``table`` (in its order):
 
         out[s, :widths[j]] += coef[t, i, j] * rows[t, j, :widths[j]]   for j = 0 .. J-1
 
     coef [T, k, J] and rows [T, J, W] (same float dtype as ``out``) are the
     chunk's key-side weights and vectors; ``table`` is ``key_major`` of the
-    chunk's [T, k] selection; widths int64 [J] with widths[j] <= W and
-    <= out.shape[1]; out [N_keys, >= W] accumulates (C-contiguous).
-    One thread per key, so no two threads write one row. Sums go in fixed
-    order: a pair's sum over j (blocks of HEAD_BLOCK in 4 lanes,
-    compensated across blocks), then pair by pair into ``out``, plainly, so
-    that a pair's contribution never depends on where a chunk starts.
+    chunk's [T, k] selection; widths int64 [J] with widths[j] <= W ==
+    out.shape[1]; out [N_keys, W] accumulates and comp [N_keys, W] holds its
+    Kahan compensation (zeros with out, kept across chunks), both
+    C-contiguous. One thread per key, so no two threads write one row.
+
+    Sums go in fixed order: a pair's sum over j (blocks of HEAD_BLOCK in 4
+    lanes, compensated across blocks), then pair by pair into ``out`` with
+    the compensation carried in ``comp``. Both depend only on the pair and
+    the key's earlier pairs, never on where a chunk starts.
     """
-    _accumulate(table.keys, table.starts, table.pairs, coef, rows, widths, out)
+    _accumulate(table.keys, table.starts, table.pairs, coef, rows, widths, out, comp)

@@ -22,6 +22,24 @@ def _gather(kv: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return valid, np.asarray(kv, dtype=np.float64)[np.where(valid, indices, 0)]
 
 
+def scatter_add(indices: np.ndarray, rows: np.ndarray, n_keys: int) -> np.ndarray:
+    """``out[s] = sum of rows[t, i] over the slots with indices[t, i] == s`` (-1 skipped).
+
+    rows [N, k, W] -> out [n_keys, W] in rows' dtype; each key's rows are
+    added in ascending (t, i) order, as ``np.add.at`` would, but grouped by
+    a stable sort and ``np.add.reduceat`` (much faster).
+    """
+    valid = indices >= 0
+    keys, vals = indices[valid], rows[valid]
+    order = np.argsort(keys, kind="stable")
+    keys, vals = keys[order], vals[order]
+    out = np.zeros((n_keys, rows.shape[-1]), dtype=rows.dtype)
+    if keys.size:
+        starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+        out[keys[starts]] = np.add.reduceat(vals, starts, axis=0)
+    return out
+
+
 def _logits(q: np.ndarray, sel: np.ndarray, valid: np.ndarray, scale: float) -> np.ndarray:
     """float64 [N, h, k] logits, -inf at -1 slots."""
     logits = scale * (np.asarray(q, dtype=np.float64) @ sel.transpose(0, 2, 1))
@@ -64,6 +82,4 @@ def sparse_attention_backward(q: np.ndarray, kv: np.ndarray, indices: np.ndarray
     dq = scale * (dlogit @ sel)
     dsel = scale * (dlogit.transpose(0, 2, 1) @ q64)
     dsel[:, :, :d_v] += p.transpose(0, 2, 1) @ dout64
-    dkv = np.zeros(kv.shape, dtype=np.float64)
-    np.add.at(dkv, indices[valid], dsel[valid])
-    return dq, dkv
+    return dq, scatter_add(indices, dsel, kv.shape[0])
