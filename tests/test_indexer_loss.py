@@ -3,6 +3,7 @@
 Accuracy as in test_sparse_attention: against a float64 reference, at most
 twice the error of the same computation done naively in the input
 precision; every gradient by name against finite differences in float64.
+Error is the maximum absolute difference.
 """
 from __future__ import annotations
 

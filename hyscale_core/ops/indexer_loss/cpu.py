@@ -16,9 +16,11 @@ Backend contract (a ``gpu.py`` with the same three functions drops in):
 
 Precision: as sparse attention (see ops/sparse_attention/cpu.py): float64
 when the float inputs that carry the computation (q and k; scores_at and
-probs) are all float64, float32 with float32 accumulation otherwise; fixed
-summation orders: features ascending, heads ascending, slots ascending, dk
-per key in ascending (query, slot, head) order. The loss sums its per-row
+probs) are all float64, float32 with float32 accumulation otherwise. Every
+sum has a fixed order: dot products in blocks of features (gather_dots),
+the head sum of a score ascending and compensated, dq/dw over a row's slots
+in compensated blocks, dk per key in ascending (query, slot) order
+(keymajor.py), the KL row sums compensated. The loss adds its per-row
 values in float64.
 """
 from __future__ import annotations

@@ -16,15 +16,18 @@ Backend contract (a ``gpu.py`` with the same two functions drops in):
 
 Precision: inputs are upcast once to the compute dtype, float64 when q and kv
 are both float64, float32 otherwise, and every product and sum runs in it
-(float32 accumulation for float16/bfloat16/float32 inputs). Sums go in a
-fixed order: dot products over the feature axis in ascending order, softmax
-and output sums over a row's slots in ascending slot order, dkv per key in
-ascending (query, slot, head) order (keymajor.py). Results are rounded once
-to their output dtype.
+(float32 accumulation for float16/bfloat16/float32 inputs; a * b + c may be
+one fused multiply-add). Every sum has a fixed order: dot products over
+features and softmax/output/dq sums over a row's slots in ascending
+blocks (DOT_BLOCK, SLOT_BLOCK below), dkv per key in ascending (query,
+slot) order (keymajor.py). Results are rounded once to their output dtype.
+The backward recomputes p = exp(logit - lse) from the lse it is given;
+with the float32 lse of the forward, float64 gradients are accurate to
+about 1e-7 relative (pass a float64 lse for float64 accuracy).
 
 Per query, ``gather_dots`` computes a [slots, heads] block of dot products
 with the query's heads transposed, so the innermost loop runs over heads
-(vectorisable, no reassociation) while each dot still sums in feature order.
+(vectorisable without reassociation) while each dot keeps its own order.
 """
 from __future__ import annotations
 
