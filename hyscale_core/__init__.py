@@ -8,6 +8,8 @@ side).
     >>> import hyscale_core as hs
     >>> values, indices = hs.topk(scores, 2048)
     >>> sel = hs.indexer_topk(q, k, w, 2048)          # int32 [Nq, 2048]
+    >>> out, lse, probs = hs.sparse_attention(q_mla, kv, sel, return_probs=True)
+    >>> loss, dscores = hs.indexer_kl_loss(hs.indexer_scores_at(q, k, w, sel), probs)
 """
 from __future__ import annotations
 
@@ -33,5 +35,11 @@ _extend_path_in_source_tree()
 
 from .ops.topk import topk  # noqa: E402
 from .ops.indexer import indexer_scores, indexer_topk  # noqa: E402
+from .ops.sparse_attention import sparse_attention, sparse_attention_backward  # noqa: E402
+from .ops.indexer_loss import indexer_kl_loss, indexer_scores_at, indexer_scores_at_backward  # noqa: E402
 
-__all__ = ["__version__", "topk", "indexer_scores", "indexer_topk"]
+__all__ = [
+    "__version__", "topk", "indexer_scores", "indexer_topk",
+    "sparse_attention", "sparse_attention_backward",
+    "indexer_scores_at", "indexer_scores_at_backward", "indexer_kl_loss",
+]

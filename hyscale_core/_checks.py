@@ -43,3 +43,48 @@ def check_axis(axis: Any, ndim: int) -> int:
 def check_same(name_a: str, value_a: int, name_b: str, value_b: int, what: str) -> None:
     if value_a != value_b:
         raise ValueError(f"{what} mismatch: {name_a} has {value_a}, {name_b} has {value_b}")
+
+
+def check_scale(scale: Any, default: float) -> float:
+    """``scale`` as a finite positive Python float; ``None`` gives ``default``."""
+    if scale is None:
+        return float(default)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    value = float(scale)
+    if not (np.isfinite(value) and value > 0.0):
+        raise ValueError(f"scale must be finite and positive, got {value!r}")
+    return value
+
+
+def check_shape(a: Any, shape: tuple[int, ...], name: str, layout: str) -> None:
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {layout} = {tuple(shape)}, got {tuple(a.shape)}")
+
+
+def check_index_table(indices: Any, n_keys: int, name: str, xp: Any) -> None:
+    """Every entry of the int table ``indices`` is -1 (skip) or a key in ``[0, n_keys)``.
+
+    Reports the first bad entry in row-major order with its position and value.
+    """
+    if indices.size == 0:
+        return
+    bad = (indices < -1) | (indices >= n_keys)
+    if bool(bad.any()):
+        pos = tuple(int(i) for i in xp.argwhere(bad)[0])
+        where = ", ".join(str(i) for i in pos)
+        raise ValueError(
+            f"{name}[{where}] = {int(indices[pos])} is out of range: entries must be -1 (skip) "
+            f"or key indices in [0, {n_keys})"
+        )
+
+
+def check_finite(a: Any, name: str, xp: Any) -> None:
+    """Every entry of the float array ``a`` is finite; names the first that is not."""
+    if a.size == 0:
+        return
+    finite = xp.isfinite(a)
+    if not bool(finite.all()):
+        pos = tuple(int(i) for i in xp.argwhere(~finite)[0])
+        where = ", ".join(str(i) for i in pos)
+        raise ValueError(f"{name} must be finite, got {name}[{where}] = {float(a[pos])}")

@@ -13,6 +13,9 @@ TOPK_DTYPES = FLOAT_DTYPES + INT_DTYPES
 # Indexer inputs are computed in float32 (see ops/indexer docstrings).
 INDEXER_DTYPES = FLOAT_DTYPES
 
+# Selections (index tables with -1 = skip) are int32, as the indexer returns them.
+INDEX_DTYPES = (np.dtype(np.int32),)
+
 
 def dtype_names(dtypes: tuple[np.dtype, ...]) -> str:
     return ", ".join(d.name for d in dtypes)

@@ -61,3 +61,37 @@ def selection_agrees_up_to_tolerance(selection, ref_scores, topk, rel_tol):
         maybe = set(visible[np.abs(row[visible] - kth) <= tol].tolist())
         assert sure_in <= chosen <= sure_in | maybe
         assert len(chosen) == topk
+
+
+def rounding(dtype):
+    """``(wide dtype, r)``: r rounds an array to ``dtype`` and back to the wide dtype."""
+    wide = np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+    return wide, lambda x: np.asarray(x).astype(dtype).astype(wide)
+
+
+def max_err(a, ref, mask=None):
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    if mask is not None:
+        a, ref = a[mask], ref[mask]
+    return float(np.abs(a - ref).max(initial=0.0))
+
+
+def assert_within_twice_naive(name, ours, naive, ref, mask=None):
+    """max|ours - ref| <= 2 max|naive - ref| (+ a float64-rounding floor)."""
+    floor = 1e-12 * max(float(np.abs(ref[mask] if mask is not None else ref).max(initial=0.0)), 1.0)
+    err, naive_err = max_err(ours, ref, mask), max_err(naive, ref, mask)
+    assert err <= 2 * naive_err + floor, f"{name}: error {err:.3g} vs naive {naive_err:.3g}"
+
+
+def finite_difference(f, x, eps=1e-6):
+    """Central differences of the scalar f at every entry of x (float64)."""
+    grad = np.zeros_like(x)
+    for pos in np.ndindex(x.shape):
+        keep = x[pos]
+        x[pos] = keep + eps
+        up = f()
+        x[pos] = keep - eps
+        down = f()
+        x[pos] = keep
+        grad[pos] = (up - down) / (2 * eps)
+    return grad
