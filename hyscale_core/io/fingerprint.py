@@ -36,5 +36,5 @@ def fingerprint(indices: Any) -> str:
         raise ValueError(f"indices must fit int32, got values in [{a.min()}, {a.max()}]")
     digest = hashlib.blake2b(_DOMAIN, digest_size=16)
     digest.update(np.asarray(a.shape, dtype="<i8").tobytes())
-    digest.update(memoryview(table).cast("B"))
+    digest.update(table.reshape(-1).view(np.uint8))
     return digest.hexdigest()

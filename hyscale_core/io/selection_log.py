@@ -208,6 +208,12 @@ class SelectionLog:
                 f"appended selections")
         return complete
 
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The root attributes: format, format_version, created, hyscale_version, complete."""
+        return {name: _text(value) or (value.item() if isinstance(value, np.generic) else value)
+                for name, value in self._file.attrs.items()}
+
     # -- closing ---------------------------------------------------------
 
     def close(self, complete: bool = True) -> None:
@@ -281,7 +287,8 @@ class SelectionLog:
                 yield sample, layer, group
 
     def keys(self) -> list[tuple[str, str]]:
-        """Every completely appended (sample, layer), in append order."""
+        """Every completely appended (sample, layer): samples in the order they were first
+        appended to, each sample's layers in append order."""
         return [(s, l) for s, l, g in self._groups() if g.attrs.get("appended", False)]
 
     def incomplete_entries(self) -> list[tuple[str, str]]:
@@ -308,7 +315,7 @@ class SelectionLog:
         return (entry_name(sample, "sample"), entry_name(layer, "layer")) in self.keys()
 
     def __iter__(self) -> Iterator[EntryInfo]:
-        """EntryInfo of every appended entry, in append order."""
+        """EntryInfo of every appended entry, in the order of :meth:`keys`."""
         return (self.info(s, l) for s, l in self.keys())
 
     # -- reading ---------------------------------------------------------
