@@ -225,6 +225,7 @@ def test_empty_tables(tmp_path):
         log.append(0, "all -1", np.full((5, 3), -1, np.int32), cu_seqlens=[0, 0, 5])
     with SelectionLog(tmp_path / "a.h5") as log:
         assert log.read(0, "no rows").shape == (0, 16) and log.read(0, "k=0").shape == (5, 0)
+        assert log.read(0, "k=0", slice(1, 3)).shape == (2, 0)
         assert (log.read(0, "all -1") == -1).all()
 
 
@@ -269,3 +270,18 @@ def test_size_well_below_raw(tmp_path):
         uniform = log.append(0, "random", causal_selection(rng, 2048, 256))
     assert window.ratio < 0.40, window.ratio
     assert uniform.ratio < 0.50, uniform.ratio
+
+
+def test_entries_record_the_writer_version_and_mix_across_versions(tmp_path, table, monkeypatch):
+    from hyscale_core.io import selection_log
+
+    path = tmp_path / "a.h5"
+    monkeypatch.setattr(selection_log, "__version__", "0.0.9")
+    write(path, [(0, 0, table, {})])
+    monkeypatch.undo()
+    with SelectionLog(path, "a") as log:
+        log.append(0, 1, table)
+    with SelectionLog(path) as log:
+        assert log.metadata["hyscale_version"] == "0.0.9"
+        assert [e.hyscale_version for e in log] == ["0.0.9", hs.__version__]
+        np.testing.assert_array_equal(log.read(0, 0), log.read(0, 1))

@@ -37,7 +37,7 @@ ENCODING = "sorted-gaps-lehmer-v1"
 # Each stored array's name and the axis that runs over the table's rows.
 FIELDS = (("count", 0), ("first", 0), ("gaps", 1), ("lehmer", 1))
 
-# Rows encoded at once: bounds the int64 temporaries to about
+# Rows encoded or decoded at once: bounds the temporaries to about
 # 8 * BLOCK_ENTRIES bytes each.
 BLOCK_ENTRIES = 1 << 21
 
@@ -157,10 +157,12 @@ def decode(count: np.ndarray, first: np.ndarray, gaps: np.ndarray, digits: np.nd
     """
     n, k = _check_shapes(count, first, gaps, digits)
     out = np.empty((n, k), dtype=np.int32)
-    if n and k:
-        if gaps.shape[0] == 0:  # k == 1: give the kernel one row of unused gaps
-            gaps = np.zeros((1, n), np.uint8)
-        bad = lehmer.decode_table(count, first, gaps, digits, out)
+    step = _block_rows(k)
+    for a in range(0, n if k else 0, step):  # row-major copies of a block: the kernel reads rows
+        b = min(n, a + step)
+        block_gaps = np.ascontiguousarray(gaps[:, a:b].T) if k > 1 else np.zeros((b - a, 1), np.uint8)
+        bad = lehmer.decode_table(count[a:b], first[a:b], block_gaps, np.ascontiguousarray(digits[:, a:b].T),
+                                  out[a:b])
         if bad >= 0:
-            raise ValueError(f"corrupt encoding: row {bad} has a count, Lehmer digit or index out of range")
+            raise ValueError(f"corrupt encoding: row {a + bad} has a count, Lehmer digit or index out of range")
     return out

@@ -61,7 +61,7 @@ def encode_rows(order: np.ndarray, count: np.ndarray, out: np.ndarray) -> None:
 @njit(cache=True, inline="always")
 def _decode_row(r: int, count, first, gaps, digits, top: int, tree, out) -> bool:
     """Row ``r`` of the table into ``out[r]``; False if it is out of range."""
-    k = digits.shape[0]
+    k = digits.shape[1]
     c = np.int64(count[r])
     if c > k:
         return False
@@ -71,11 +71,11 @@ def _decode_row(r: int, count, first, gaps, digits, top: int, tree, out) -> bool
         out[r, j] = -1
     value = np.int64(first[r])
     for j in range(c):
-        d = np.int64(digits[j, r])
+        d = np.int64(digits[r, j])
         if d >= k - j:
             return False
         if j > 0:
-            value += np.int64(gaps[j - 1, r])
+            value += np.int64(gaps[r, j - 1])
         if value < 0 or value > 2147483647:
             return False
         want = d + 1
@@ -93,15 +93,15 @@ def _decode_row(r: int, count, first, gaps, digits, top: int, tree, out) -> bool
 
 @njit(cache=True, parallel=True)
 def decode_table(count, first, gaps, digits, out) -> int:
-    """Rows of a selection table from its stored arrays (codec.py layout).
+    """Rows of a selection table from its encoded arrays (codec.py), row-major.
 
-    ``count`` uint [n], ``first`` int32 [n], ``gaps`` uint [k-1, n] and
-    ``digits`` (Lehmer) uint [k, n], digit-major; ``out`` int32 [n, k] is
-    written in full. Returns the first row whose arrays are out of range
-    (count > k, a digit ``>= k - j``, an index outside [0, 2**31)), or -1
-    when every row decoded.
+    ``count`` uint [n], ``first`` int32 [n], ``gaps`` uint [n, >= k-1] and
+    ``digits`` (Lehmer) uint [n, k]; ``out`` int32 [n, k] is written in
+    full. Returns the first row whose arrays are out of range (count > k, a
+    digit ``>= k - j``, an index outside [0, 2**31)), or -1 when every row
+    decoded.
     """
-    k, n = digits.shape
+    n, k = digits.shape
     top = 1
     while top * 2 <= k:
         top *= 2

@@ -37,7 +37,7 @@ def _check(log: Any, entry: Any, verify: bool) -> tuple[str, bool]:
     try:
         log.read(entry.sample, entry.layer)
     except SelectionLogError as exc:
-        return f"FAILED: {str(exc).split(': ', 1)[-1]}", False
+        return f"FAILED: {str(exc).removeprefix(f'{log.path}: ')}", False
     return "ok", True
 
 

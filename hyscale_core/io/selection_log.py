@@ -356,7 +356,9 @@ class SelectionLog:
             raise SelectionLogError(f"{self._where(sample, layer)} has no dataset {name!r}")
         dataset = group[name]
         try:
-            return dataset[(slice(None),) * axis + (rows,)] if dataset.size else dataset[()]
+            if dataset.size == 0:  # stored unchunked: read it whole (nothing), slice here
+                return dataset[()][(slice(None),) * axis + (rows,)]
+            return dataset[(slice(None),) * axis + (rows,)]
         except OSError as exc:
             raise SelectionLogError(f"{self._where(sample, layer)}: dataset {name!r} is corrupted, its checksum "
                                     f"or decompression failed ({exc})") from exc
