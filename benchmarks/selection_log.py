@@ -14,7 +14,11 @@ Encodings compared, all with fletcher32 and chunks of 1024 rows:
 raw int32; int32 + shuffle + deflate; sorted gaps + rank columns (uint16,
 row-major) + shuffle + deflate; and the log's own encoding (sorted gaps +
 Lehmer-coded rank order, digit-major, shuffle + deflate) at deflate 1/4/9,
-written and read through SelectionLog.
+written and read through SelectionLog. ``--log FILE`` measures the
+selections of a log instead (a rollout of a trained indexer).
+
+Columns: median_ms is one write (encode, compress, write; a single run, the
+tables are large), read_ms one read + decode + fingerprint check.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import h5py
 import numpy as np
@@ -104,8 +109,9 @@ def _rank_columns(selection: np.ndarray) -> dict[str, tuple[np.ndarray, int]]:
             "order": (order.astype(narrowest_unsigned(k)), 0)}
 
 
-def _alternatives(selection: np.ndarray, tmp: Path) -> list[tuple[str, int, float, float | None]]:
-    """(impl, stored bytes, write ms, read+decode ms) of every encoding compared."""
+def _alternatives(selection: np.ndarray, tmp: Path, masks: dict) -> list[tuple[str, int, float, float | None]]:
+    """(impl, stored bytes, write ms, read+decode ms) of every encoding compared;
+    ``masks``: SelectionLog.append's causal, q_pos, cu_seqlens, n_keys."""
     from hyscale_core.io import SelectionLog
 
     deflate = {"shuffle": True, "compression": "gzip", "compression_opts": 4}
@@ -118,7 +124,7 @@ def _alternatives(selection: np.ndarray, tmp: Path) -> list[tuple[str, int, floa
     for level in (1, 4, 9):
         start = time.perf_counter()
         with SelectionLog(tmp / f"log{level}.h5", "w", compression_level=level) as log:
-            stored = log.append(0, 0, selection).stored_bytes
+            stored = log.append(0, 0, selection, **masks).stored_bytes
         written = time.perf_counter() - start
         start = time.perf_counter()
         with SelectionLog(tmp / f"log{level}.h5") as log:
@@ -128,11 +134,40 @@ def _alternatives(selection: np.ndarray, tmp: Path) -> list[tuple[str, int, floa
     return results
 
 
+def _selections(args: argparse.Namespace) -> Iterator[tuple[str, dict, np.ndarray, dict]]:
+    """(kind, config, int32 table, its masks) of each selection measured."""
+    if args.log:  # e.g. a rollout log of the trained indexer
+        from hyscale_core.io import SelectionLog
+
+        with SelectionLog(args.log) as log:
+            for e in log:
+                yield (f"log {e.sample}/{e.layer}", {"kind": "log", "file": str(args.log), "sample": e.sample,
+                       "layer": e.layer, "n": e.n_queries, "k": e.k, "causal": e.causal}, log.read(e.sample, e.layer),
+                       {**e.mask_kwargs(), "n_keys": e.n_keys})
+        return
+    for kind, make in (("random", random_causal), ("structured", structured_causal)):
+        start = time.perf_counter()
+        selection = make(args.n, args.k, args.seed)
+        print(f"{kind}: generated [{args.n}, {args.k}] in {time.perf_counter() - start:.1f} s", flush=True)
+        yield kind, {"kind": kind, "n": args.n, "k": args.k, "causal": True}, selection, {}
+
+
+def _row(kind: str, config: dict, impl: str, stored: int, write_ms: float, read_ms: float | None,
+         shape: tuple[int, int]) -> dict:
+    n, k = shape
+    return {"bench": "selection_log", "config": config, "impl": impl, "kind": kind,
+            "median_ms": round(write_ms, 1), "read_ms": None if read_ms is None else round(read_ms, 1),
+            "bytes_per_token_layer": round(stored / max(n, 1), 1), "raw_bytes_per_token_layer": 4 * k,
+            "ratio_to_raw": round(stored / max(4 * n * k, 1), 4)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=32768, help="queries = keys (causal self-attention)")
     parser.add_argument("--k", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log", type=Path, help="measure every selection of this log instead of synthetic ones")
+    parser.add_argument("--name", default="selection_log", help="results file name (benchmarks/results/NAME.json)")
     args = parser.parse_args(argv)
     from hyscale_core.io import SelectionLog
 
@@ -142,20 +177,14 @@ def main(argv=None) -> None:
         with SelectionLog(Path(tmp) / "warm.h5") as log:
             log.read(0, 0)
     rows = []
-    for kind, make in (("random", random_causal), ("structured", structured_causal)):
-        start = time.perf_counter()
-        selection = make(args.n, args.k, args.seed)
-        print(f"{kind}: generated [{args.n}, {args.k}] in {time.perf_counter() - start:.1f} s", flush=True)
-        config = {"kind": kind, "n": args.n, "k": args.k, "causal": True}
+    for kind, config, selection, masks in _selections(args):
+        print(kind, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            for impl, stored, write_ms, read_ms in _alternatives(selection, Path(tmp)):
-                rows.append({"bench": "selection_log", "config": config, "impl": impl,
-                             "median_ms": round(write_ms, 1), "read_ms": None if read_ms is None else round(read_ms, 1),
-                             "bytes_per_token_layer": round(stored / args.n, 1), "raw_bytes_per_token_layer":
-                             4 * args.k, "ratio_to_raw": round(stored / (4 * args.n * args.k), 4), "kind": kind})
-                print(f"  {impl:52s} {stored / args.n:8.1f} B/token/layer  {100 * stored / (4 * args.n * args.k):5.1f}%"
-                      f"  write {write_ms:8.1f} ms", flush=True)
-    path = write_results("selection_log", cpu_device(), rows)
+            for impl, stored, write_ms, read_ms in _alternatives(selection, Path(tmp), masks):
+                rows.append(_row(kind, config, impl, stored, write_ms, read_ms, selection.shape))
+                print(f"  {impl:52s} {rows[-1]['bytes_per_token_layer']:8.1f} B/token/layer  "
+                      f"{100 * rows[-1]['ratio_to_raw']:5.1f}%  write {write_ms:8.1f} ms", flush=True)
+    path = write_results(args.name, cpu_device(), rows)
     print(table(rows, ["kind", "impl", "bytes_per_token_layer", "ratio_to_raw", "median_ms", "read_ms"]))
     print(f"wrote {path}")
 
