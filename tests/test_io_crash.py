@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import causal_selection
-from hyscale_core.io import IncompleteLogError, SelectionLog
+from hyscale_core.io import IncompleteLogError, SelectionLog, SelectionLogError
 
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
@@ -96,6 +96,9 @@ def test_killed_by_the_parent_at_any_moment(tmp_path, after):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         reported = [proc.stdout.readline() for _ in range(after)]
+        # while the writer runs the log is refused: locked by HDF5, or flagged incomplete
+        with pytest.raises(SelectionLogError, match=f"{path}.*(locked by another process|is incomplete)"):
+            SelectionLog(path)
     finally:
         proc.kill()
         proc.communicate(timeout=60)

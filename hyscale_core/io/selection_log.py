@@ -302,7 +302,8 @@ class SelectionLog:
     def layers(self, sample: str | int) -> list[str]:
         """Layers logged for ``sample``, in append order; KeyError if it has none."""
         sample = entry_name(sample, "sample")
-        layers = [l for s, l in self.keys() if s == sample]
+        group = self._file[_SAMPLES].get(sample)
+        layers = [l for l, g in group.items() if g.attrs.get("appended", False)] if group is not None else []
         if not layers:
             raise KeyError(f"sample {sample!r} is not in {self.path}")
         return layers
@@ -311,8 +312,11 @@ class SelectionLog:
         return len(self.keys())
 
     def __contains__(self, key: tuple[str | int, str | int]) -> bool:
-        sample, layer = key
-        return (entry_name(sample, "sample"), entry_name(layer, "layer")) in self.keys()
+        try:
+            self._entry(*key)
+        except (KeyError, IncompleteLogError):
+            return False
+        return True
 
     def __iter__(self) -> Iterator[EntryInfo]:
         """EntryInfo of every appended entry, in the order of :meth:`keys`."""
