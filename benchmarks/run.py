@@ -1,13 +1,13 @@
 """Run one named benchmark: ``python -m benchmarks.run NAME [options]``.
 
-Names: topk_cpu, indexer_cpu, topk_gpu (more as the modules land).
+Names: topk_cpu, indexer_cpu, topk_gpu, selection_log (more as the modules land).
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = ["topk_cpu", "indexer_cpu", "topk_gpu", "indexer_gpu"]
+BENCHMARKS = ["topk_cpu", "indexer_cpu", "topk_gpu", "indexer_gpu", "selection_log"]
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The ``hyscale`` console script: ``hyscale info`` and ``hyscale demo``."""
+"""The ``hyscale`` console script: ``hyscale info``, ``hyscale demo``, ``hyscale log inspect|diff``."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=["auto", "cpu", "gpu"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=demo)
+    from .io.log_cli import add_commands
+
+    add_commands(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -95,3 +95,15 @@ def finite_difference(f, x, eps=1e-6):
         x[pos] = keep
         grad[pos] = (up - down) / (2 * eps)
     return grad
+
+
+def causal_selection(rng: np.random.Generator, n: int, k: int, cu_seqlens=None) -> np.ndarray:
+    """int32 [n, k]: row t holds min(k, t - start + 1) distinct keys in [start, t] (start: its
+    packed sequence's first key, 0 without ``cu_seqlens``) in random rank order, then -1."""
+    cu = np.array([0, n] if cu_seqlens is None else cu_seqlens)
+    starts = np.repeat(cu[:-1], np.diff(cu))
+    table = np.full((n, k), -1, dtype=np.int32)
+    for t in range(n):
+        m = min(k, t - starts[t] + 1)
+        table[t, :m] = starts[t] + rng.choice(t - starts[t] + 1, m, replace=False)
+    return table
