@@ -20,18 +20,22 @@ def batch(n=40, seed=0):
     return ids, rows, rng.integers(0, CFG.vocab, rows.size)
 
 
-def gradients(recompute: bool):
-    model = TinyDSA(CFG, seed=1)
+def gradients(recompute: bool, xp=np):
+    model = TinyDSA(CFG, seed=1, xp=xp)
     selector = LiveSelection(CFG.topk)
-    loss, total, kls = model.forward(*batch(), selector, recompute=recompute)
+    loss, total, kls = model.forward(*(xp.asarray(a) for a in batch()), selector, recompute=recompute)
     calls_after_forward = selector.calls
     backward(loss)
     return {p.name: p.grad for p in model.parameters()}, total, kls, calls_after_forward, selector.calls
 
 
-def test_recompute_replays_and_matches_bitwise():
-    plain, total_plain, kls_plain, _, plain_calls = gradients(recompute=False)
-    replayed, total_replayed, kls_replayed, forward_calls, all_calls = gradients(recompute=True)
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_recompute_replays_and_matches_bitwise(backend):
+    xp = np
+    if backend == "gpu":
+        import cupy as xp
+    plain, total_plain, kls_plain, _, plain_calls = gradients(recompute=False, xp=xp)
+    replayed, total_replayed, kls_replayed, forward_calls, all_calls = gradients(recompute=True, xp=xp)
     assert forward_calls == all_calls == CFG.n_layers  # backward ran no indexer top-k
     assert plain_calls == CFG.n_layers
     assert kls_plain == kls_replayed and total_replayed == pytest.approx(total_plain, rel=1e-6)
