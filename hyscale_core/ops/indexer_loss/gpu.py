@@ -6,7 +6,6 @@ in ascending (query, slot) order (gpu/segments.py): bitwise reproducible.
 """
 from __future__ import annotations
 
-
 from ..._backend import cupy_module
 from ...gpu.segments import scatter_add_rows
 from ..sparse_attention.gpu import _chunks, _dtype, _gathered
