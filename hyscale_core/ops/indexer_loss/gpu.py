@@ -1,19 +1,20 @@
 """GPU backend of the indexer's sparse-stage loss, from CuPy primitives.
 
-Same contract as cpu.py. Precision: float64 when the carrying inputs are
-both float64, float32 otherwise; relu(NaN) = 0 (fmax). dk is summed per key
+Same contract as cpu.py. Precision: every product and sum in float64,
+rounded once to the output dtypes; relu(NaN) = 0 (fmax). dk is summed per key
 in ascending (query, slot) order (gpu/segments.py): bitwise reproducible.
 """
 from __future__ import annotations
 
 from ..._backend import cupy_module
+from ...gpu.convert import narrow, widen
 from ...gpu.segments import scatter_add_rows
 from ..sparse_attention.gpu import _chunks, _dtype, _gathered
 
 
 def _logits(cp, q, k, idx, dt):
     valid, sel = _gathered(cp, k, idx, dt)
-    return valid, sel, q.astype(dt, copy=False) @ sel.transpose(0, 2, 1)  # [C, H, kk]
+    return valid, sel, widen(q, dt) @ sel.transpose(0, 2, 1)  # [C, H, kk]
 
 
 def indexer_scores_at(q, k, w, indices):
@@ -22,7 +23,7 @@ def indexer_scores_at(q, k, w, indices):
     scores = cp.empty(indices.shape, dtype=cp.float32)
     for t0, t1 in _chunks(q.shape[0], indices.shape[1], q.shape[2]):
         valid, _, logits = _logits(cp, q[t0:t1], k, indices[t0:t1], dt)
-        s = (w[t0:t1].astype(dt, copy=False)[:, :, None] * cp.fmax(logits, 0)).sum(axis=1)
+        s = (widen(w[t0:t1], dt)[:, :, None] * cp.fmax(logits, 0)).sum(axis=1)
         scores[t0:t1] = cp.where(valid, s, -cp.inf)
     return scores
 
@@ -36,20 +37,20 @@ def indexer_scores_at_backward(q, k, w, indices, dscores):
     for t0, t1 in _chunks(q.shape[0], indices.shape[1], q.shape[2]):
         idx = indices[t0:t1]
         valid, sel, logits = _logits(cp, q[t0:t1], k, idx, dt)
-        g = cp.where(valid, dscores[t0:t1].astype(dt, copy=False), 0)[:, None, :]  # [C, 1, kk]
-        w_c = w[t0:t1].astype(dt, copy=False)[:, :, None]
-        dw[t0:t1] = (g * cp.fmax(logits, 0)).sum(axis=2).astype(w.dtype)
+        g = cp.where(valid, widen(dscores[t0:t1], dt), 0)[:, None, :]  # [C, 1, kk]
+        w_c = widen(w[t0:t1], dt)[:, :, None]
+        dw[t0:t1] = narrow((g * cp.fmax(logits, 0)).sum(axis=2), w.dtype)
         dlogit = g * w_c * (logits > 0)
-        dq[t0:t1] = (dlogit @ sel).astype(q.dtype)
-        rows = dlogit.transpose(0, 2, 1) @ q[t0:t1].astype(dt, copy=False)
+        dq[t0:t1] = narrow(dlogit @ sel, q.dtype)
+        rows = dlogit.transpose(0, 2, 1) @ widen(q[t0:t1], dt)
         scatter_add_rows(idx, cp.ascontiguousarray(rows), dk)
-    return dq, dk.astype(k.dtype), dw
+    return dq, narrow(dk, k.dtype), dw
 
 
 def indexer_kl_loss(scores_at, probs):
     cp = cupy_module()
     dt = _dtype(cp, scores_at, probs)
-    s, p = scores_at.astype(dt), probs.astype(dt)
+    s, p = widen(scores_at, dt), widen(probs, dt)
     n = s.shape[0]
     valid = s > -cp.inf
     mass = cp.where(valid, p, 0).sum(axis=1, keepdims=True)
