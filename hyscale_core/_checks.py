@@ -79,10 +79,21 @@ def check_index_table(indices: Any, n_keys: int, name: str, xp: Any) -> None:
         )
 
 
+def float_view(a: Any, xp: Any) -> Any:
+    """``a`` as a float array the checks can test: bfloat16 widened exactly to
+    float32 through its bits (CuPy's ufuncs do not take ml_dtypes' bfloat16)."""
+    from ._dtypes import bfloat16
+
+    if a.dtype == bfloat16:
+        return (a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return a
+
+
 def check_finite(a: Any, name: str, xp: Any) -> None:
     """Every entry of the float array ``a`` is finite; names the first that is not."""
     if a.size == 0:
         return
+    a = float_view(a, xp)
     finite = xp.isfinite(a)
     if not bool(finite.all()):
         pos = tuple(int(i) for i in xp.argwhere(~finite)[0])

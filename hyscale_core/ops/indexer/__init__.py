@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._backend import CPU, as_arrays, xp_for
-from ..._checks import check_dtype, check_int, check_ndim, check_same
+from ..._checks import check_dtype, check_int, check_ndim, check_same, float_view
 from ..._dtypes import FLOAT_DTYPES, INDEXER_DTYPES
 from .ranges import candidate_ranges
 
@@ -50,9 +50,10 @@ def _prepare(q, k, w, causal, q_pos, cu_seqlens):
             raise ValueError(f"{name} must be at least 1, got shapes q {tuple(q.shape)}, k {tuple(k.shape)}")
     causal = _bool(causal, "causal")
     xp = xp_for(backend)
-    if w.size and not bool(xp.isfinite(w.astype(xp.float32)).all()):
-        bad = tuple(int(i) for i in xp.argwhere(~xp.isfinite(w.astype(xp.float32)))[0])
-        raise ValueError(f"w must be finite, got w[{bad[0]}, {bad[1]}] = {float(w[bad])}")
+    w_f = float_view(w, xp)
+    if w.size and not bool(xp.isfinite(w_f).all()):
+        bad = tuple(int(i) for i in xp.argwhere(~xp.isfinite(w_f))[0])
+        raise ValueError(f"w must be finite, got w[{bad[0]}, {bad[1]}] = {float(w_f[bad])}")
     lo, hi = candidate_ranges(q.shape[0], k.shape[0], causal, q_pos, cu_seqlens)
     return backend, q, k, w, lo, hi
 

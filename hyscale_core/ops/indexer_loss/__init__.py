@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._backend import CPU, as_arrays, xp_for
-from ..._checks import check_dtype, check_finite, check_index_table, check_ndim, check_same, check_shape
+from ..._checks import check_dtype, check_finite, check_index_table, check_ndim, check_same, check_shape, float_view
 from ..._dtypes import FLOAT_DTYPES, INDEX_DTYPES, INDEXER_DTYPES
 
 _PRECISION = """
@@ -113,16 +113,17 @@ def _check_loss_inputs(scores_at: Any, probs: Any, xp: Any) -> None:
     check_dtype(probs, FLOAT_DTYPES, "probs")
     check_same("scores_at", scores_at.shape[0], "probs", probs.shape[0], "query count N")
     check_same("scores_at", scores_at.shape[1], "probs", probs.shape[1], "slot count kk")
+    scores_f, probs_f = float_view(scores_at, xp), float_view(probs, xp)
     if scores_at.size:
-        bad = xp.isnan(scores_at) | xp.isposinf(scores_at)
+        bad = xp.isnan(scores_f) | xp.isposinf(scores_f)
         if bool(bad.any()):
             t, i = (int(j) for j in xp.argwhere(bad)[0])
             raise ValueError(f"scores_at must be finite or -inf (skipped slot), got scores_at[{t}, {i}] = "
-                             f"{float(scores_at[t, i])}")
+                             f"{float(scores_f[t, i])}")
     check_finite(probs, "probs", xp)
-    if probs.size and bool((probs < 0).any()):
-        t, i = (int(j) for j in xp.argwhere(probs < 0)[0])
-        raise ValueError(f"probs must be >= 0, got probs[{t}, {i}] = {float(probs[t, i])}")
+    if probs.size and bool((probs_f < 0).any()):
+        t, i = (int(j) for j in xp.argwhere(probs_f < 0)[0])
+        raise ValueError(f"probs must be >= 0, got probs[{t}, {i}] = {float(probs_f[t, i])}")
 
 
 def indexer_kl_loss(scores_at: Any, probs: Any) -> tuple[Any, Any]:

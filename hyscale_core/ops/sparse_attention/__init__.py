@@ -18,7 +18,7 @@ import math
 from typing import Any
 
 from ..._backend import CPU, as_arrays, xp_for
-from ..._checks import (check_dtype, check_index_table, check_int, check_ndim, check_same,
+from ..._checks import (check_dtype, float_view, check_index_table, check_int, check_ndim, check_same,
                         check_scale, check_shape)
 from ..._dtypes import FLOAT_DTYPES, INDEX_DTYPES
 
@@ -72,6 +72,7 @@ def _check_saved(arrays: dict[str, Any], d_v: int, xp: Any) -> None:
     check_shape(lse, (n, n_h), "lse", "[N, h]")
     if lse.size == 0:
         return
+    lse = float_view(lse, xp)
     bad = ~xp.isfinite(lse) & (arrays["indices"] >= 0).any(axis=1)[:, None]
     if bool(bad.any()):
         t, j = (int(i) for i in xp.argwhere(bad)[0])
