@@ -140,16 +140,24 @@ def finish(buf_bits, buf_idx, count, k, out_idx, out_bits, want_scores):
 
 def _block_tiles(q_block: np.ndarray, k32: np.ndarray, w_block: np.ndarray, lo: np.ndarray, hi: np.ndarray
                  ) -> Iterator[tuple[int, int, np.ndarray]]:
-    """Yield ``(s0, s1, scores float32 [T, s1-s0])`` for the key tiles a block sees."""
+    """Yield ``(s0, s1, scores float32 [T, s1-s0])`` for the key tiles a block sees.
+
+    The yielded scores live in a buffer reused by the next tile: copy them or
+    use them before advancing. Reusing the logits buffer matters: a fresh
+    4 MiB array per tile is a fresh mmap whose page faults cost about as much
+    as the epilogue itself.
+    """
     n_k, dim = k32.shape
     first, last = int(lo.min()), int(hi.max())
     queries = np.ascontiguousarray(q_block, dtype=np.float32).reshape(-1, dim)
+    logits_buf = np.empty((queries.shape[0], K_TILE), dtype=np.float32)
+    tile_buf = np.empty((q_block.shape[0], K_TILE), dtype=np.float32)
     for s0 in range((first // K_TILE) * K_TILE, last, K_TILE):
         s1 = min(s0 + K_TILE, n_k)
         if not np.any((lo < s1) & (hi > s0)):
             continue
-        logits = queries @ k32[s0:s1].T
-        tile = np.empty((q_block.shape[0], s1 - s0), dtype=np.float32)
+        logits, tile = logits_buf[:, :s1 - s0], tile_buf[:, :s1 - s0]
+        np.matmul(queries, k32[s0:s1].T, out=logits)
         weighted_relu(logits, w_block, lo, hi, s0, tile)
         yield s0, s1, tile
 
