@@ -1,7 +1,7 @@
 """CPU backend of ``topk``: an exact radix select per row, parallel over rows.
 
-Per row: keys from the bits (keys.py) and the histogram of their top 11-bit
-digit in one pass; a second pass takes every key above the k-th key's bucket
+Per row: keys from the bits (keys.py), then the histogram of their top
+11-bit digit; a second pass takes every key above the k-th key's bucket
 and collects the bucket's members, among which an MSB-first radix select
 finds the k-th key ``thr``; keys equal to it are taken lower index first.
 ``sorted=True`` then orders the k picks by (key descending, index
@@ -42,7 +42,7 @@ def sort_key(bits, width_ones, sign, exp_mask, mant_mask, is_float, invert):
 def kth_largest(keys, k, width):
     """``(thr, n_above)``: the k-th largest key and how many keys exceed it.
 
-    ``keys`` is a uint64 array, ``1 <= k <= len(keys)``.
+    ``keys`` is an unsigned integer array, ``1 <= k <= len(keys)``.
     """
     hist = np.zeros(1 << DIGIT_BITS, np.int64)
     cand = keys
@@ -67,7 +67,7 @@ def kth_largest(keys, k, width):
         k_rem -= acc
         size = hist[bucket]
         target = np.uint64(bucket)
-        nxt = np.empty(size, np.uint64)
+        nxt = np.empty(size, keys.dtype)
         j = 0
         for key in cand:
             if ((key >> sh) & mask) == target:
@@ -192,24 +192,43 @@ def select_row(keys, k, width, top_hist, out):
     _merge(above_idx, na, members[chosen], need, out)
 
 
+@njit(cache=True)
+def top_digit_histogram(keys, sh, n_buckets):
+    """Histogram (int64 [n_buckets]) of ``keys >> sh``.
+
+    Four interleaved sub-histograms: clustered data sends neighbouring keys
+    to one bucket, and a single counter would serialise on its own
+    store-to-load dependency (measured 3x slower on normal float32 rows).
+    """
+    sub = np.zeros((4, n_buckets), np.int64)
+    n = keys.shape[0]
+    n4 = n - n % 4
+    for i in range(0, n4, 4):
+        sub[0, keys[i] >> sh] += 1
+        sub[1, keys[i + 1] >> sh] += 1
+        sub[2, keys[i + 2] >> sh] += 1
+        sub[3, keys[i + 3] >> sh] += 1
+    for i in range(n4, n):
+        sub[0, keys[i] >> sh] += 1
+    return sub[0] + sub[1] + sub[2] + sub[3]
+
+
 @njit(cache=True, parallel=True)
 def _topk_rows(bits, k, width, width_ones, sign, exp_mask, mant_mask, is_float, invert, do_sort, out):
+    """Row top-k; keys are held in ``bits``'s dtype (a key is as wide as the data)."""
     n_rows, n = bits.shape
     top = min(DIGIT_BITS, width)
     sh = np.uint64(width - top)
     for r in prange(n_rows):
-        keys = np.empty(n, np.uint64)
-        hist = np.zeros(1 << top, np.int64)
+        keys = np.empty(n, bits.dtype)
         row = bits[r]
         for i in range(n):
-            key = sort_key(np.uint64(row[i]), width_ones, sign, exp_mask, mant_mask, is_float, invert)
-            keys[i] = key
-            hist[key >> sh] += 1
+            keys[i] = sort_key(np.uint64(row[i]), width_ones, sign, exp_mask, mant_mask, is_float, invert)
         if k == n:
             for i in range(n):
                 out[r, i] = i
         else:
-            select_row(keys, k, width, hist, out[r])
+            select_row(keys, k, width, top_digit_histogram(keys, sh, 1 << top), out[r])
         if do_sort:
             sort_by_key(keys, out[r], width)
 
