@@ -1,0 +1,207 @@
+"""The engine's DSA block and tiny model over sequence shards, and a training step.
+
+Every per-token operation (norms, projections, RoPE at global positions,
+the MLP) runs on this rank's rows as it would in one process. The two
+places where tokens meet are exchanges recorded on the tape as
+:class:`GatherRows` (forward: a collective gather; backward: the
+gradients sent to their owners and summed there in rank order):
+
+- the indexer keys, all-gathered in global order, feed the selection
+  (:class:`ShardedSelection`: ``hs.indexer_topk`` with ``q_pos``) and the
+  indexer's scores at the selection (the KL loss);
+- the latent kv rows the selections use (all-gather or fetch, by the cost
+  model), read by the engine's own ``SparseAttention`` Function through
+  the plan's renumbered indices.
+
+Losses are shares: a rank's KL is its local mean times n_local / N and its
+cross-entropy is a sum over its targets divided by the global target count,
+so the shares add up to the single-process losses. Parameter gradients are
+summed over ranks by :func:`allreduce_gradients` (float64, rank order, one
+rounding): every rank then holds the same bits and AdamW takes the same step.
+Everything here is collective: all ranks run the same graph in the same order.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+import hyscale_core as hs
+
+from .._backend import array_module
+from ..engine import backward
+from ..engine import ops
+from ..engine.attention import IndexerKL, IndexerScoresAt, SparseAttention
+from ..engine.checkpoint import checkpoint
+from ..engine.model import DSABlock, TinyDSA
+from ..engine.optim import AdamW
+from ..engine.selection import LiveSelection, SelectionStore
+from ..engine.tensor import Function, Tensor
+from .exchange import AllGather, sum_in_rank_order, plan_rows
+from .layout import split_sizes
+from .shard import Shard
+
+
+class GatherRows(Function):
+    """x [n_local, ...] -> ``plan.gather(x)``; the gradient goes through ``plan.to_owners``."""
+
+    def forward(self, x, plan=None):
+        self.save(plan)
+        return plan.gather(x)
+
+    def backward(self, g):
+        (plan,) = self.saved
+        return (plan.to_owners(g),)
+
+
+class SumCrossEntropy(Function):
+    """weight * sum over rows of the softmax cross-entropy of logits [M, V] at
+    targets [M] (int); M may be 0 (a rank without targets adds 0)."""
+
+    def forward(self, logits, targets, weight: float = 1.0):
+        xp = array_module(logits)
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        log_p = shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
+        self.save(log_p, targets, weight)
+        picked = xp.take_along_axis(log_p, targets[:, None], axis=1)
+        return xp.asarray(-picked.sum() * weight, dtype=logits.dtype)
+
+    def backward(self, g):
+        log_p, targets, weight = self.saved
+        xp = array_module(log_p)
+        grad = xp.exp(log_p)
+        grad[xp.arange(targets.shape[0]), targets] -= 1
+        return grad * (g * weight), None
+
+
+class ShardedSelection(LiveSelection):
+    """Live selection of this rank's queries: ``select(layer, q, k_all, w)``
+    takes the local indexer queries and weights and the *all-gathered* keys
+    (global order), runs ``hs.indexer_topk`` with ``q_pos = shard.positions``
+    and records the int32 [n_local, topk] global selection."""
+
+    def __init__(self, shard: Shard, topk: int, *, store: SelectionStore | None = None) -> None:
+        super().__init__(topk, causal=True, cu_seqlens=shard.cu_seqlens, store=store,
+                         topk_fn=functools.partial(hs.indexer_topk, q_pos=shard.positions))
+
+
+class ShardedDSABlock(DSABlock):
+    """``block`` (its parameters shared, not copied) run on this rank's rows."""
+
+    def __init__(self, block: DSABlock, shard: Shard, exchange: str = "auto") -> None:
+        self.cfg, self.name, self.params = block.cfg, block.name, block.params
+        self.shard, self.exchange = shard, exchange
+
+    def forward(self, x: Tensor, rope: tuple[Any, Any], selector: Any) -> tuple[Tensor, Tensor]:
+        """x [n_local, d] -> (y [n_local, d], this rank's share of the block's KL loss).
+
+        rope: (cos, sin) at this rank's global positions; selector: a
+        :class:`ShardedSelection` or a replay of one.
+        """
+        cfg, p, n = self.cfg, self.params, x.shape[0]
+        cos, sin = (ops.constant(t) for t in rope)
+        h = ops.RMSNorm.apply(x, p["attn_norm"])
+        iq, ik, iw = self._indexer(h, n)
+        ik_all = GatherRows.apply(ik, plan=AllGather(self.shard, global_order=True))
+        indices = selector.select(self.name, iq.data, ik_all.data, iw.data)
+        q = ops.Reshape.apply(ops.MatMul.apply(h, p["wq"]), shape=(n, cfg.heads, cfg.d_qk))
+        q = ops.RoPETail.apply(q, cos, sin)
+        kv = ops.RoPETail.apply(ops.MatMul.apply(h, p["wkv"]), cos, sin)
+        plan = plan_rows(self.shard, indices, kv.dtype.itemsize * cfg.d_qk, self.exchange)
+        attn = SparseAttention.apply(q, GatherRows.apply(kv, plan=plan), ops.constant(plan.remap(indices)),
+                                     d_v=cfg.d_v)
+        flat = ops.Reshape.apply(attn, shape=(n, cfg.heads * cfg.d_v))
+        x = ops.Add.apply(x, ops.MatMul.apply(flat, p["wo"]))
+        kl = IndexerKL.apply(IndexerScoresAt.apply(iq, ik_all, iw, ops.constant(indices)),
+                             ops.constant(attn.aux["probs"]))
+        kl = ops.Mul.apply(kl, ops.constant(kl.data * 0 + n / self.shard.n))
+        m = ops.RMSNorm.apply(x, p["mlp_norm"])  # the MLP as in DSABlock.forward
+        gate = ops.SiLU.apply(ops.MatMul.apply(m, p["w1"]))
+        up = ops.MatMul.apply(m, p["w3"])
+        return ops.Add.apply(x, ops.MatMul.apply(ops.Mul.apply(gate, up), p["w2"])), kl
+
+
+def shard_batch(shard: Shard, ids: Any, rows: Any, targets: Any) -> tuple[Any, Any, Any, int]:
+    """This rank's part of a TinyDSA batch: ``(ids [n_local], local rows [m],
+    targets [m], M)`` from the global ids [N], prediction positions rows [M]
+    (distinct) and targets [M]; M is the global target count."""
+    xp = shard.xp
+    rows_h = np.asarray(rows.get() if hasattr(rows, "get") else rows, dtype=np.int64)
+    mine = np.flatnonzero(shard.owner[rows_h] == shard.rank)
+    local_rows = xp.asarray(shard.local_index[rows_h[mine]])
+    return ids[shard.device("positions")], local_rows, targets[xp.asarray(mine)], int(rows_h.shape[0])
+
+
+class ShardedTinyDSA:
+    """A :class:`TinyDSA` (parameters shared) run over ``shard``."""
+
+    def __init__(self, model: TinyDSA, shard: Shard, exchange: str = "auto") -> None:
+        self.model, self.shard, self.cfg, self.xp = model, shard, model.cfg, model.xp
+        self.blocks = [ShardedDSABlock(b, shard, exchange) for b in model.blocks]
+
+    def parameters(self) -> list[Tensor]:
+        return self.model.parameters()
+
+    def forward(self, ids: Any, rows: Any, targets: Any, n_targets: int, selector: Any,
+                recompute: bool = False) -> tuple[Tensor, float, list[float]]:
+        """Arguments from :func:`shard_batch`. Returns (this rank's loss share,
+        the global loss value with the indexer losses, the global per-layer
+        indexer losses); the two floats are the same on every rank."""
+        cfg, m = self.cfg, self.model
+        rope = ops.rope_tables(self.xp, self.shard.device("positions"), cfg.rope_dim)
+        x = ops.Embedding.apply(m.embed, ops.constant(ids))
+        kls: list[Any] = []
+        for block in self.blocks:
+            if recompute:
+                x = checkpoint(block, x, rope, selector, cfg.kl_weight)
+                kls.append(x.aux["kl"])
+            else:
+                x, kl = block.forward(x, rope, selector)
+                kls.append(kl)
+        logits = ops.MatMul.apply(ops.RMSNorm.apply(ops.TakeRows.apply(x, ops.constant(rows)), m.final_norm),
+                                  m.head)
+        loss = SumCrossEntropy.apply(logits, ops.constant(targets), weight=1.0 / n_targets)
+        shares = [float(loss.data)] + [float(k.data if isinstance(k, Tensor) else k) for k in kls]
+        if not recompute:
+            for kl in kls:
+                loss = ops.Add.apply(loss, ops.Mul.apply(kl, ops.constant(kl.data * 0 + cfg.kl_weight)))
+        totals = np.sum(self.shard.comm.allgather(shares), axis=0)  # rank order
+        return loss, float(totals[0] + cfg.kl_weight * totals[1:].sum()), [float(v) for v in totals[1:]]
+
+
+def allreduce_gradients(shard: Shard, params: list[Tensor]) -> None:
+    """Replace each parameter's ``.grad`` by its sum over ranks (None counts as 0).
+
+    Deterministic reduce-scatter + all-gather of the flattened gradients:
+    rank r sums part r of every rank's vector in float64, in rank order, and
+    rounds once; then every rank receives every summed part, so all ranks
+    hold bitwise the same gradients. Bytes per rank: 2 (P-1)/P of the
+    gradients' size each way.
+    """
+    xp = shard.xp
+    grads = [p.grad if p.grad is not None else xp.zeros_like(p.data) for p in params]
+    flat = xp.concatenate([g.reshape(-1).astype(np.float32) for g in grads])
+    parts = split_sizes(flat.shape[0], shard.size)
+    t = shard.transport
+    mine = t.alltoallv(flat, parts, [parts[shard.rank]] * shard.size)
+    summed = sum_in_rank_order(mine.reshape(shard.size, -1), np.float32)
+    flat = t.alltoallv(summed, [summed.shape[0]] * shard.size, parts, send_displs=[0] * shard.size)
+    start = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[start:start + g.size].reshape(g.shape).astype(g.dtype)
+        start += g.size
+
+
+def train_step(model: ShardedTinyDSA, optimizer: AdamW, batch: tuple[Any, Any, Any, int], selector: Any,
+               recompute: bool = False) -> tuple[float, list[float]]:
+    """One sharded training step: forward, backward, gradient all-reduce, AdamW.
+
+    batch: :func:`shard_batch`'s result. Returns the global loss value and the
+    per-layer indexer losses (the same on every rank).
+    """
+    loss, total, kls = model.forward(*batch, selector, recompute=recompute)
+    backward(loss)
+    allreduce_gradients(model.shard, optimizer.params)
+    optimizer.step()
+    return total, kls

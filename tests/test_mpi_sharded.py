@@ -1,0 +1,151 @@
+"""Sharded selection, sparse attention and training over `mpiexec -n 2` and `-n 3`
+(CPU backend, uneven lengths) against the single-process results computed here;
+a failing rank ends the job with an error, no hang."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hyscale_core as hs
+import mpi_ranks as cases
+from hyscale_core.mpi import contiguous_layout, costmodel, zigzag_layout
+
+pytestmark = pytest.mark.mpi
+
+RANKS = Path(__file__).with_name("mpi_ranks.py")
+TIMEOUT_S = 120
+THREADS = {name: "1" for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                  "MKL_NUM_THREADS")}
+
+
+def mpiexec() -> str | None:
+    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("mpiexec")
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def run_ranks(n_ranks: int, out: Path, *groups: str) -> subprocess.CompletedProcess:
+    """Run tests/mpi_ranks.py on ``n_ranks`` ranks (one thread each); kill the job at the timeout."""
+    exe = mpiexec()
+    if exe is None:
+        pytest.skip("needs mpiexec (pip install mpich)")
+    cmd = [exe, "-n", str(n_ranks), sys.executable, str(RANKS), str(out), *groups]
+    env = {**os.environ, **THREADS, "PYTHONPATH": os.pathsep.join([str(RANKS.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        pytest.fail(f"mpiexec -n {n_ranks} hung for {TIMEOUT_S} s:\n{stdout}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def sharded(request, tmp_path_factory):
+    """(P, results of every group on P ranks)."""
+    out = tmp_path_factory.mktemp("mpi") / f"np{request.param}.npz"
+    done = run_ranks(request.param, out, "indexer", "attention", "engine")
+    assert done.returncode == 0, done.stdout
+    with np.load(out) as data:
+        return request.param, dict(data)
+
+
+@pytest.mark.parametrize("case", cases.INDEXER_CASES, ids=[c[0] for c in cases.INDEXER_CASES])
+def test_indexer_topk_is_bitwise_the_single_process_one(sharded, case):
+    n_ranks, got = sharded
+    name, n, _, cu = case
+    indices, scores = hs.indexer_topk(*cases.indexer_data(n), cases.INDEXER_TOPK, cu_seqlens=cu, return_scores=True)
+    np.testing.assert_array_equal(got[f"indexer/{name}/indices"], indices)
+    assert got[f"indexer/{name}/scores"].tobytes() == scores.tobytes()
+    counts = case_layout(name, n, n_ranks, 64, cu).counts
+    sent, received = costmodel.allgather_bytes(counts, 16 * 4)  # the float32 keys are all-gathered
+    np.testing.assert_array_equal(got[f"indexer/{name}/bytes"], np.stack([sent, received], axis=1))
+
+
+def case_layout(name, n, n_ranks, align, cu=None):
+    if name.startswith("contiguous"):
+        return contiguous_layout(n, n_ranks, align=align)
+    return zigzag_layout(n, n_ranks, cu, align=align)
+
+
+def single_process_attention(n):
+    data = cases.attention_data(n)
+    out, lse, probs = hs.sparse_attention(data["q"], data["kv"], data["indices"], d_v=cases.D_V, return_probs=True)
+    dq, dkv = hs.sparse_attention_backward(data["q"], data["kv"], data["indices"], out, lse, data["dout"],
+                                           d_v=cases.D_V)
+    return {"out": out, "lse": lse, "probs": probs, "dq": dq, "dkv": dkv}
+
+
+@pytest.mark.parametrize("case", cases.ATTENTION_CASES, ids=[c[0] for c in cases.ATTENTION_CASES])
+def test_sparse_attention_matches_one_process(sharded, case):
+    n_ranks, got = sharded
+    name, n, _ = case
+    ref = single_process_attention(n)
+    for exchange in cases.EXCHANGES:
+        key = f"attention/{name}/{exchange}"
+        for label in ("out", "lse", "probs", "dq"):  # every query row is computed as in one process
+            assert got[f"{key}/{label}"].tobytes() == ref[label].tobytes(), f"{exchange} {label}"
+        dkv = got[f"{key}/dkv"]  # P partial sums added in rank order: a few ulps
+        np.testing.assert_allclose(dkv, ref["dkv"], rtol=0, atol=(n_ranks + 1) * 2e-7 * np.abs(ref["dkv"]).max())
+    # both exchanges add the same contributions in the same order
+    assert got[f"attention/{name}/allgather/dkv"].tobytes() == got[f"attention/{name}/fetch/dkv"].tobytes()
+
+
+@pytest.mark.parametrize("case", cases.ATTENTION_CASES, ids=[c[0] for c in cases.ATTENTION_CASES])
+def test_bytes_moved_equal_the_cost_model(sharded, case):
+    n_ranks, got = sharded
+    name, n, _ = case
+    counts = case_layout(name, n, n_ranks, 1).counts
+    row = cases.D_QK * 4
+    fetched = got[f"attention/{name}/fetched"]
+    models = {
+        "allgather": (costmodel.allgather_bytes(counts, row), costmodel.allgather_bytes(counts, row)[::-1]),
+        "fetch": (costmodel.fetch_bytes(fetched, row), costmodel.fetch_backward_bytes(fetched, row)),
+    }
+    for exchange, (forward, backward) in models.items():
+        key = f"attention/{name}/{exchange}"
+        np.testing.assert_array_equal(got[f"{key}/forward_bytes"], np.stack(forward, axis=1))
+        step = 2 * np.stack(forward, axis=1) + np.stack(backward, axis=1)  # the backward fetches again
+        np.testing.assert_array_equal(got[f"{key}/step_bytes"], step)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_training_step_matches_one_process(sharded, recompute):
+    from hyscale_core.engine import backward
+    from hyscale_core.engine.model import TinyDSA
+    from hyscale_core.engine.optim import AdamW
+    from hyscale_core.engine.selection import LiveSelection
+
+    _, got = sharded
+    cfg = cases.engine_config()
+    model = TinyDSA(cfg, seed=1)
+    selector = LiveSelection(cfg.topk)
+    result = model.forward(*cases.engine_batch(), selector, recompute=recompute)
+    backward(result[0])
+    AdamW(model.parameters()).step()
+    key = f"engine/recompute={recompute}"
+    for layer in selector.store.layers():
+        np.testing.assert_array_equal(got[f"{key}/selection/{layer}"], selector.store.selection(layer))
+    totals = got[f"{key}/total"]
+    assert (totals == totals[0]).all()  # every rank reports the same global values
+    np.testing.assert_allclose(totals[0], [result[1]] + list(result[2]), rtol=1e-5)
+    for p in model.parameters():
+        params = got[f"{key}/param/{p.name}"]
+        assert all(params[r].tobytes() == params[0].tobytes() for r in range(len(params))), p.name
+        np.testing.assert_allclose(params[0], p.data, rtol=0, atol=1e-5, err_msg=p.name)
+
+
+def test_a_failing_rank_ends_the_job(tmp_path):
+    done = run_ranks(3, tmp_path / "error.npz", "error")
+    assert done.returncode != 0
+    assert "kv must have one row per local position" in done.stdout
+    assert not (tmp_path / "error.npz").exists()
