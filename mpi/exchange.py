@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .._backend import array_module
-from .costmodel import choose_exchange
+from .costmodel import allgather_bytes, choose_exchange, fetch_backward_bytes, fetch_bytes
 from .shard import Shard
 
 
@@ -158,3 +158,14 @@ def plan_rows(shard: Shard, indices: Any, row_bytes: int, exchange: str = "auto"
         foreign = int((shard.device("owner")[ids] != shard.rank).sum())
         exchange = choose_exchange(shard.counts, np.array(shard.comm.allgather(foreign)), row_bytes)
     return AllGather(shard) if exchange == "allgather" else Fetch(shard, indices)
+
+
+def modelled_bytes(plan: AllGather | Fetch, row_bytes: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The cost model's ``{"gather": (sent, received), "to_owners": (sent, received)}``,
+    int64 [P] bytes per rank, for ``plan`` moving rows of ``row_bytes`` (collective
+    for a Fetch: every rank's ``want`` is all-gathered)."""
+    if isinstance(plan, AllGather):
+        forward = allgather_bytes(plan.shard.counts, row_bytes)
+        return {"gather": forward, "to_owners": forward[::-1]}
+    fetched = np.array(plan.shard.comm.allgather(plan.want.tolist()), dtype=np.int64)
+    return {"gather": fetch_bytes(fetched, row_bytes), "to_owners": fetch_backward_bytes(fetched, row_bytes)}
