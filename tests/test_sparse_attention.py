@@ -421,3 +421,111 @@ def test_mixed_backends_are_rejected():
     q, kv, indices = make_inputs(np.random.default_rng(13), 3, 2, 4, 12, d_qk=16)
     with pytest.raises(TypeError, match="different backends"):
         hs.sparse_attention(cupy.asarray(q), kv, indices, d_v=8)
+
+
+# GPU tensor-core kernels (cuda/sparse_attention.cu): bfloat16 and float16 at
+# d_qk = 576, d_v = 512. The fixture makes the CuPy-primitive fallback raise,
+# so these tests fail if the kernels do not run, and poisons the outputs
+# (NaN), so an entry the kernels leave unwritten shows.
+
+KERNEL_DTYPES = [pytest.param(bfloat16, id="bfloat16"), pytest.param(np.dtype(np.float16), id="float16")]
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    from hyscale_core.ops.sparse_attention import gpu, gpu_fallback
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CuPy-primitive fallback ran instead of the kernels")
+
+    monkeypatch.setattr(gpu_fallback, "sparse_attention", refuse)
+    monkeypatch.setattr(gpu_fallback, "sparse_attention_backward", refuse)
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", True)
+    return gpu
+
+
+def _f64(x):
+    return to_host(x).astype(np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("h, k", SHAPES)
+def test_kernels_forward_within_twice_naive_error(kernels, dtype, h, k):
+    check_forward("gpu", *_grid_inputs(h, k, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("h, k", SHAPES)
+def test_kernels_backward_within_twice_naive_error(kernels, dtype, h, k):
+    check_backward("gpu", *_grid_inputs(h, k, dtype))
+
+
+@pytest.mark.gpu
+def test_kernels_partial_head_group_and_custom_scale(kernels):
+    """h = 100: a full group of 64 heads and one of 36 (probs add the groups)."""
+    q, kv, indices = make_inputs(np.random.default_rng(20), 3, 100, 300, 500, dtype=bfloat16)
+    check_forward("gpu", q, kv, indices, scale=0.07)
+    check_backward("gpu", q, kv, indices, scale=0.07)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernels_duplicates_and_rows_of_only_minus_one(kernels, dtype):
+    rng = np.random.default_rng(21)
+    q, kv, _ = make_inputs(rng, 4, 16, 3, 6, dtype=dtype)
+    indices = np.array([[2, 2, -1], [2, 2, 5], [-1, -1, -1], [5, 0, 5]], dtype=np.int32)
+    args = on("gpu", q, kv, indices)
+    out, lse, probs = (_f64(x) for x in hs.sparse_attention(*args, return_probs=True))
+    # Row 0 selects key 2 twice: the output is its value exactly, each copy weighs 1/2 per head.
+    np.testing.assert_array_equal(out[0], np.broadcast_to(kv[2, :D_V].astype(np.float64), (16, D_V)))
+    np.testing.assert_allclose(probs[0], [8.0, 8.0, 0.0], rtol=1e-5)
+    assert probs[1, 0] == probs[1, 1] and probs[3, 0] == probs[3, 2]
+    np.testing.assert_allclose(probs[[0, 1, 3]].sum(axis=1), 16.0, rtol=1e-5)
+    # Row 2 selects nothing: out 0, lse -inf, probs 0, no NaN anywhere.
+    assert (out[2] == 0).all() and np.isneginf(lse[2]).all() and (probs[2] == 0).all()
+    assert not np.isnan(out).any() and not np.isnan(lse).any() and np.isfinite(lse[[0, 1, 3]]).all()
+    dout = rng.standard_normal((4, 16, D_V)).astype(dtype)
+    fwd = hs.sparse_attention(*args)
+    dq, dkv = (_f64(g) for g in hs.sparse_attention_backward(*args, *fwd, *on("gpu", dout)))
+    assert (dq[2] == 0).all() and np.isfinite(dq).all() and np.isfinite(dkv).all()
+    assert (dkv[[1, 3, 4]] == 0).all()  # keys nobody selected
+    check_backward("gpu", q, kv, indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [64, 128])
+def test_kernels_are_bitwise_reproducible_and_chunk_invariant(kernels, monkeypatch, h):
+    """Repeated runs give the same bits; so does a backward split into one-query chunks."""
+    rng = np.random.default_rng(22)
+    q, kv, indices = make_inputs(rng, 24, h, 256, 200, dtype=bfloat16)  # every key shared by many slots
+    dout = rng.standard_normal((24, h, D_V)).astype(bfloat16)
+    args = on("gpu", q, kv, indices)
+    first = hs.sparse_attention(*args, return_probs=True)
+    grads = hs.sparse_attention_backward(*args, *first[:2], *on("gpu", dout))
+    for _ in range(2):
+        again = hs.sparse_attention(*args, return_probs=True)
+        assert all(same_bits(a, b) for a, b in zip(first, again))
+        regrads = hs.sparse_attention_backward(*args, *again[:2], *on("gpu", dout))
+        assert same_bits(grads[0], regrads[0]) and same_bits(grads[1], regrads[1])
+    monkeypatch.setattr(kernels, "ROWS_BYTES", 1)
+    chunked = hs.sparse_attention_backward(*args, *first[:2], *on("gpu", dout))
+    assert same_bits(grads[0], chunked[0]) and same_bits(grads[1], chunked[1])
+    out, lse, probs = kernels.sparse_attention(*args, D_V, 1 / 24, want_probs=False)
+    assert probs is None and same_bits(out, first[0]) and same_bits(lse, first[1])
+
+
+@pytest.mark.gpu
+def test_kernels_empty_selections(kernels):
+    q, kv, _ = make_inputs(np.random.default_rng(23), 3, 16, 1, 4, dtype=bfloat16)
+    dout = np.ones((3, 16, D_V), bfloat16)
+    for indices in (np.zeros((3, 0), np.int32), np.full((3, 70), -1, np.int32)):
+        args = on("gpu", q, kv, indices)
+        out, lse, probs = (_f64(x) for x in hs.sparse_attention(*args, return_probs=True))
+        assert (out == 0).all() and np.isneginf(lse).all() and probs.shape == indices.shape and (probs == 0).all()
+        dq, dkv = (_f64(g) for g in hs.sparse_attention_backward(*args, *on("gpu", out.astype(bfloat16),
+                                                                             lse.astype(np.float32), dout)))
+        assert (dq == 0).all() and (dkv == 0).all()
+    out, lse = hs.sparse_attention(*on("gpu", q[:0], kv, np.zeros((0, 5), np.int32)))
+    assert out.shape == (0, 16, D_V) and lse.shape == (0, 16)

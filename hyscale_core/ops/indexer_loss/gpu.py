@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..._backend import cupy_module
 from ...gpu.convert import narrow, widen
 from ...gpu.segments import scatter_add_rows
-from ..sparse_attention.gpu import _chunks, _dtype, _gathered
+from ..sparse_attention.gpu_fallback import _chunks, _dtype, _gathered
 
 
 def _logits(cp, q, k, idx, dt):
