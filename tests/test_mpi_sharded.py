@@ -37,7 +37,8 @@ def run_ranks(n_ranks: int, out: Path, *groups: str) -> subprocess.CompletedProc
     if exe is None:
         pytest.skip("needs mpiexec (pip install mpich)")
     cmd = [exe, "-n", str(n_ranks), sys.executable, str(RANKS), str(out), *groups]
-    env = {**os.environ, **THREADS, "PYTHONPATH": os.pathsep.join([str(RANKS.parent), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(RANKS.parent), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, **THREADS, "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
