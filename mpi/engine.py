@@ -93,11 +93,14 @@ class ShardedDSABlock(DSABlock):
         self.cfg, self.name, self.params = block.cfg, block.name, block.params
         self.shard, self.exchange = shard, exchange
 
-    def forward(self, x: Tensor, rope: tuple[Any, Any], selector: Any) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, rope: tuple[Any, Any], selector: Any, kl_rows: Any = None
+                ) -> tuple[Tensor, Tensor]:
         """x [n_local, d] -> (y [n_local, d], this rank's share of the block's KL loss).
 
         rope: (cos, sin) at this rank's global positions; selector: a
-        :class:`ShardedSelection` or a replay of one.
+        :class:`ShardedSelection` or a replay of one; kl_rows: int [m], local
+        rows the indexer loss averages over (default all; the mean is over
+        every rank's rows, so the share is the local mean times m / M).
         """
         cfg, p, n = self.cfg, self.params, x.shape[0]
         cos, sin = (ops.constant(t) for t in rope)
@@ -113,13 +116,22 @@ class ShardedDSABlock(DSABlock):
                                      d_v=cfg.d_v)
         flat = ops.Reshape.apply(attn, shape=(n, cfg.heads * cfg.d_v))
         x = ops.Add.apply(x, ops.MatMul.apply(flat, p["wo"]))
-        kl = IndexerKL.apply(IndexerScoresAt.apply(iq, ik_all, iw, ops.constant(indices)),
-                             ops.constant(attn.aux["probs"]))
-        kl = ops.Mul.apply(kl, ops.constant(kl.data * 0 + n / self.shard.n))
-        m = ops.RMSNorm.apply(x, p["mlp_norm"])  # the MLP as in DSABlock.forward
+        kl = self._kl_share(iq, ik_all, iw, indices, attn.aux["probs"], kl_rows)
+        m = ops.RMSNorm.apply(x, p["mlp_norm"])  # the SwiGLU MLP of DSABlock.forward
         gate = ops.SiLU.apply(ops.MatMul.apply(m, p["w1"]))
         up = ops.MatMul.apply(m, p["w3"])
         return ops.Add.apply(x, ops.MatMul.apply(ops.Mul.apply(gate, up), p["w2"])), kl
+
+    def _kl_share(self, iq: Tensor, ik_all: Tensor, iw: Tensor, indices: Any, probs: Any, kl_rows: Any) -> Tensor:
+        """The local indexer KL mean times (local rows / every rank's rows)."""
+        count = iq.shape[0]
+        if kl_rows is not None:
+            rows = ops.constant(kl_rows)
+            iq, iw = ops.TakeRows.apply(iq, rows), ops.TakeRows.apply(iw, rows)
+            indices, probs, count = indices[kl_rows], probs[kl_rows], int(kl_rows.shape[0])
+        total = self.shard.comm.allreduce(count) if kl_rows is not None else self.shard.n
+        kl = IndexerKL.apply(IndexerScoresAt.apply(iq, ik_all, iw, ops.constant(indices)), ops.constant(probs))
+        return ops.Mul.apply(kl, ops.constant(kl.data * 0 + count / max(total, 1)))
 
 
 def shard_batch(shard: Shard, ids: Any, rows: Any, targets: Any) -> tuple[Any, Any, Any, int]:
@@ -143,21 +155,23 @@ class ShardedTinyDSA:
     def parameters(self) -> list[Tensor]:
         return self.model.parameters()
 
-    def forward(self, ids: Any, rows: Any, targets: Any, n_targets: int, selector: Any,
-                recompute: bool = False) -> tuple[Tensor, float, list[float]]:
-        """Arguments from :func:`shard_batch`. Returns (this rank's loss share,
-        the global loss value with the indexer losses, the global per-layer
-        indexer losses); the two floats are the same on every rank."""
+    def forward(self, ids: Any, rows: Any, targets: Any, n_targets: int, selector: Any, recompute: bool = False,
+                kl_on_loss_rows: bool = False) -> tuple[Tensor, float, list[float]]:
+        """Arguments from :func:`shard_batch` (recompute and kl_on_loss_rows as
+        ``TinyDSA.forward``). Returns (this rank's loss share, the global loss
+        value with the indexer losses, the global per-layer indexer losses);
+        the two floats are the same on every rank."""
         cfg, m = self.cfg, self.model
         rope = ops.rope_tables(self.xp, self.shard.device("positions"), cfg.rope_dim)
         x = ops.Embedding.apply(m.embed, ops.constant(ids))
+        kl_rows = {"kl_rows": rows} if kl_on_loss_rows else {}
         kls: list[Any] = []
         for block in self.blocks:
             if recompute:
-                x = checkpoint(block, x, rope, selector, cfg.kl_weight)
+                x = checkpoint(block, x, rope, selector, cfg.kl_weight, **kl_rows)
                 kls.append(x.aux["kl"])
             else:
-                x, kl = block.forward(x, rope, selector)
+                x, kl = block.forward(x, rope, selector, **kl_rows)
                 kls.append(kl)
         logits = ops.MatMul.apply(ops.RMSNorm.apply(ops.TakeRows.apply(x, ops.constant(rows)), m.final_norm),
                                   m.head)
@@ -194,13 +208,13 @@ def allreduce_gradients(shard: Shard, params: list[Tensor]) -> None:
 
 
 def train_step(model: ShardedTinyDSA, optimizer: AdamW, batch: tuple[Any, Any, Any, int], selector: Any,
-               recompute: bool = False) -> tuple[float, list[float]]:
+               recompute: bool = False, kl_on_loss_rows: bool = False) -> tuple[float, list[float]]:
     """One sharded training step: forward, backward, gradient all-reduce, AdamW.
 
     batch: :func:`shard_batch`'s result. Returns the global loss value and the
     per-layer indexer losses (the same on every rank).
     """
-    loss, total, kls = model.forward(*batch, selector, recompute=recompute)
+    loss, total, kls = model.forward(*batch, selector, recompute=recompute, kl_on_loss_rows=kl_on_loss_rows)
     backward(loss)
     allreduce_gradients(model.shard, optimizer.params)
     optimizer.step()

@@ -3,7 +3,8 @@
     mpiexec -n P python tests/mpi_ranks.py OUT.npz GROUP...
 
 runs the sharded operations of each GROUP ("indexer", "attention",
-"engine", or "error": rank 1 passes a kv with one row too many) on data
+"engine", "transport", "gpu": indexer and attention on CuPy arrays through
+host staging, or "error": rank 1 passes a kv with one row too many) on data
 from the ``*_data`` functions below, which the tests also use for the
 single-process results. Rank 0 writes every result, gathered into global
 row order, to OUT.npz. Any exception aborts the whole job.
@@ -36,11 +37,22 @@ EXCHANGES = ("allgather", "fetch")
 ENGINE_N, ENGINE_TARGETS = 301, 40
 
 
-def indexer_data(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """q float32 [n, 4, 16], k float32 [n, 16], w float32 [n, 4]."""
+def indexer_data(n: int, heads: int = 4, dim: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q float32 [n, heads, dim], k float32 [n, dim], w float32 [n, heads]."""
     rng = np.random.default_rng(n)
-    return (rng.standard_normal((n, 4, 16)).astype(np.float32), rng.standard_normal((n, 16)).astype(np.float32),
-            rng.standard_normal((n, 4)).astype(np.float32))
+    return (rng.standard_normal((n, heads, dim)).astype(np.float32),
+            rng.standard_normal((n, dim)).astype(np.float32), rng.standard_normal((n, heads)).astype(np.float32))
+
+
+# The GPU group: shapes the fused GPU indexer kernel takes (H >= 8, D a multiple of 64).
+GPU_N, GPU_HEADS, GPU_DIM = 301, 8, 64
+
+
+def transport_rows(src: int, dst: int, count: int) -> np.ndarray:
+    """bfloat16 [count, 2, 3] rows rank src sends rank dst (small integers: exact in bfloat16)."""
+    from hyscale_core._dtypes import bfloat16
+
+    return (src * 100 + dst * 10 + np.arange(count * 6).reshape(count, 2, 3)).astype(bfloat16)
 
 
 def attention_data(n: int) -> dict[str, np.ndarray]:
@@ -124,26 +136,73 @@ def run_attention(comm: Any, res: Results) -> None:
         res.same(f"attention/{name}/fetched", Fetch(shard, idx).want)
 
 
-def run_engine(comm: Any, res: Results) -> None:
-    from hyscale_core.engine.optim import AdamW
+def engine_variants() -> list[tuple[bool, bool]]:
+    """(recompute, kl_on_loss_rows) pairs; the second only where TinyDSA.forward has it."""
+    import inspect
+
     from hyscale_core.engine.model import TinyDSA
+
+    has_kl_rows = "kl_on_loss_rows" in inspect.signature(TinyDSA.forward).parameters
+    return [(False, False), (True, False)] + ([(False, True), (True, True)] if has_kl_rows else [])
+
+
+def run_engine(comm: Any, res: Results) -> None:
+    from hyscale_core.engine.model import TinyDSA
+    from hyscale_core.engine.optim import AdamW
     from hyscale_core.mpi import make_shard
     from hyscale_core.mpi.engine import ShardedSelection, ShardedTinyDSA, shard_batch, train_step
 
     cfg = engine_config()
     shard = make_shard(comm, ENGINE_N)
-    for recompute in (False, True):
+    for recompute, kl_rows in engine_variants():
         model = TinyDSA(cfg, seed=1)
         sharded = ShardedTinyDSA(model, shard)
         selector = ShardedSelection(shard, cfg.topk)
         total, kls = train_step(sharded, AdamW(model.parameters()), shard_batch(shard, *engine_batch()), selector,
-                                recompute=recompute)
-        key = f"engine/recompute={recompute}"
+                                recompute=recompute, kl_on_loss_rows=kl_rows)
+        key = f"engine/recompute={recompute}/kl_on_loss_rows={kl_rows}"
         res.same(f"{key}/total", [total] + kls)
         for layer in selector.store.layers():
             res.rows(f"{key}/selection/{layer}", shard, selector.store.selection(layer))
         for p in model.parameters():
             res.same(f"{key}/param/{p.name}", p.data)
+
+
+def run_transport(comm: Any, res: Results) -> None:
+    """Irregular counts (rank r sends rank p (r + p) % 3 rows) of bfloat16 rows."""
+    from hyscale_core.mpi.transport import HostTransport
+
+    t = HostTransport(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    counts = [(rank + p) % 3 for p in range(size)]
+    send = np.concatenate([transport_rows(rank, p, counts[p]) for p in range(size)])
+    recv = t.alltoallv(send, counts, t.exchange_counts(counts))
+    for r, (got, moved) in enumerate(comm.gather((recv.view(np.uint16), (t.bytes_sent, t.bytes_received)), root=0)
+                                     or []):
+        res.arrays[f"transport/recv/{r}"], res.arrays[f"transport/bytes/{r}"] = got, np.array(moved)
+    t.close()
+
+
+def run_gpu(comm: Any, res: Results) -> None:
+    """Indexer and attention (both exchanges) on CuPy arrays, ranks sharing the GPUs, host staging."""
+    import cupy as cp
+
+    from hyscale_core.mpi import (make_shard, sharded_indexer_topk, sharded_sparse_attention,
+                                  sharded_sparse_attention_backward, use_local_gpu)
+
+    use_local_gpu(comm)
+    shard = make_shard(comm, GPU_N, xp=cp, transport="host")
+    p = cp.asarray(shard.positions)
+    q, k, w = (cp.asarray(a)[p] for a in indexer_data(GPU_N, GPU_HEADS, GPU_DIM))
+    res.rows("gpu/indices", shard, sharded_indexer_topk(shard, q, k, w, INDEXER_TOPK).get())
+    data = {key: cp.asarray(value)[p] for key, value in attention_data(GPU_N).items()}
+    for exchange in EXCHANGES:
+        out, lse = sharded_sparse_attention(shard, data["q"], data["kv"], data["indices"], d_v=D_V, exchange=exchange)
+        dq, dkv = sharded_sparse_attention_backward(shard, data["q"], data["kv"], data["indices"], out, lse,
+                                                    data["dout"], d_v=D_V, exchange=exchange)
+        for label, value in (("out", out), ("lse", lse), ("dq", dq), ("dkv", dkv)):
+            res.rows(f"gpu/{exchange}/{label}", shard, value.get())
+    shard.close()
 
 
 def run_error(comm: Any, res: Results) -> None:
@@ -157,7 +216,8 @@ def run_error(comm: Any, res: Results) -> None:
     sharded_sparse_attention(shard, data["q"][shard.positions], kv, data["indices"][shard.positions], d_v=D_V)
 
 
-GROUPS = {"indexer": run_indexer, "attention": run_attention, "engine": run_engine, "error": run_error}
+GROUPS = {"indexer": run_indexer, "attention": run_attention, "engine": run_engine, "transport": run_transport,
+          "gpu": run_gpu, "error": run_error}
 
 
 def main(argv: list[str]) -> None:

@@ -54,7 +54,7 @@ def run_ranks(n_ranks: int, out: Path, *groups: str) -> subprocess.CompletedProc
 def sharded(request, tmp_path_factory):
     """(P, results of every group on P ranks)."""
     out = tmp_path_factory.mktemp("mpi") / f"np{request.param}.npz"
-    done = run_ranks(request.param, out, "indexer", "attention", "engine")
+    done = run_ranks(request.param, out, "indexer", "attention", "engine", "transport")
     assert done.returncode == 0, done.stdout
     with np.load(out) as data:
         return request.param, dict(data)
@@ -119,21 +119,24 @@ def test_bytes_moved_equal_the_cost_model(sharded, case):
         np.testing.assert_array_equal(got[f"{key}/step_bytes"], step)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_training_step_matches_one_process(sharded, recompute):
+@pytest.mark.parametrize("recompute, kl_on_loss_rows", [(False, False), (True, False), (False, True), (True, True)])
+def test_training_step_matches_one_process(sharded, recompute, kl_on_loss_rows):
     from hyscale_core.engine import backward
     from hyscale_core.engine.model import TinyDSA
     from hyscale_core.engine.optim import AdamW
     from hyscale_core.engine.selection import LiveSelection
 
+    if (recompute, kl_on_loss_rows) not in cases.engine_variants():
+        pytest.skip("this engine's TinyDSA.forward has no kl_on_loss_rows")
     _, got = sharded
     cfg = cases.engine_config()
     model = TinyDSA(cfg, seed=1)
     selector = LiveSelection(cfg.topk)
-    result = model.forward(*cases.engine_batch(), selector, recompute=recompute)
+    options = {"kl_on_loss_rows": True} if kl_on_loss_rows else {}
+    result = model.forward(*cases.engine_batch(), selector, recompute=recompute, **options)
     backward(result[0])
     AdamW(model.parameters()).step()
-    key = f"engine/recompute={recompute}"
+    key = f"engine/recompute={recompute}/kl_on_loss_rows={kl_on_loss_rows}"
     for layer in selector.store.layers():
         np.testing.assert_array_equal(got[f"{key}/selection/{layer}"], selector.store.selection(layer))
     totals = got[f"{key}/total"]
@@ -143,6 +146,38 @@ def test_training_step_matches_one_process(sharded, recompute):
         params = got[f"{key}/param/{p.name}"]
         assert all(params[r].tobytes() == params[0].tobytes() for r in range(len(params))), p.name
         np.testing.assert_allclose(params[0], p.data, rtol=0, atol=1e-5, err_msg=p.name)
+
+
+def test_transport_moves_irregular_bfloat16_rows(sharded):
+    n_ranks, got = sharded
+    for rank in range(n_ranks):
+        expect = np.concatenate([cases.transport_rows(p, rank, (p + rank) % 3) for p in range(n_ranks)])
+        np.testing.assert_array_equal(got[f"transport/recv/{rank}"], expect.view(np.uint16))
+        # (r + p) % 3 rows each way between ranks r and p, 12 bytes a row; a rank's rows to itself are not counted
+        moved = sum((rank + p) % 3 for p in range(n_ranks) if p != rank) * 12
+        np.testing.assert_array_equal(got[f"transport/bytes/{rank}"], [moved, moved])
+
+
+@pytest.mark.gpu
+def test_gpu_ranks_sharing_a_gpu_match_one_gpu(tmp_path):
+    out = tmp_path / "gpu.npz"
+    done = run_ranks(2, out, "gpu")
+    assert done.returncode == 0, done.stdout
+    import cupy as cp
+
+    got = dict(np.load(out))
+    q, k, w = (cp.asarray(a) for a in cases.indexer_data(cases.GPU_N, cases.GPU_HEADS, cases.GPU_DIM))
+    np.testing.assert_array_equal(got["gpu/indices"], hs.indexer_topk(q, k, w, cases.INDEXER_TOPK).get())
+    data = {key: cp.asarray(value) for key, value in cases.attention_data(cases.GPU_N).items()}
+    out_, lse = hs.sparse_attention(data["q"], data["kv"], data["indices"], d_v=cases.D_V)
+    dq, dkv = hs.sparse_attention_backward(data["q"], data["kv"], data["indices"], out_, lse, data["dout"],
+                                           d_v=cases.D_V)
+    for exchange in cases.EXCHANGES:
+        for label, ref in (("out", out_), ("lse", lse), ("dq", dq), ("dkv", dkv)):
+            ref = ref.get()
+            np.testing.assert_allclose(got[f"gpu/{exchange}/{label}"], ref, rtol=0,
+                                       atol=4e-7 * np.abs(ref[np.isfinite(ref)]).max(), err_msg=f"{exchange} {label}")
+    assert got["gpu/allgather/dkv"].tobytes() == got["gpu/fetch/dkv"].tobytes()
 
 
 def test_a_failing_rank_ends_the_job(tmp_path):
