@@ -1,5 +1,5 @@
 // Device pieces shared by the selection kernels: order-preserving keys,
-// block-wide scans, shared-memory histograms and a bitonic sort.
+// block-wide scans, shared-memory histograms, a radix select and bitonic sorts.
 //
 // Every function named block_* must be called by all threads of the block
 // (it contains __syncthreads); warp_* by all 32 lanes of a warp.
@@ -17,10 +17,6 @@ namespace hs {
 constexpr int DIGIT_BITS = 11;
 constexpr int MAX_BINS = 1 << DIGIT_BITS;
 constexpr int MAX_WARPS = 32;
-
-// Keys are 32-bit for 16- and 32-bit data, 64-bit for 64-bit data.
-template <typename Bits> struct KeyOf { typedef u32 type; };
-template <> struct KeyOf<u64> { typedef u64 type; };
 
 // Order-preserving key of raw bits (see hyscale_core/ops/topk/keys.py):
 // floats map every NaN above +inf and -0.0 onto +0.0; integers flip the sign
@@ -45,10 +41,6 @@ struct KeyCodec {
         return invert ? (~k & ones) : k;
     }
 };
-
-// key >> s, defined for s up to the key width (gives 0 there).
-template <typename K>
-__device__ __forceinline__ K shr(K key, int s) { return s >= (int)(8 * sizeof(K)) ? (K)0 : key >> s; }
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
@@ -80,19 +72,6 @@ __device__ u32 block_exclusive_sum(u32 x, u32* scratch, u32* total) {
     *total = scratch[MAX_WARPS];
     __syncthreads();
     return result;
-}
-
-template <typename T, typename Op>
-__device__ T block_reduce(T x, T* scratch, Op op) {
-    #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) x = op(x, __shfl_xor_sync(FULL_MASK, x, d));
-    if (lane_id() == 0) scratch[warp_id()] = x;
-    __syncthreads();
-    const int n_warps = (blockDim.x + 31) >> 5;
-    T r = scratch[0];
-    for (int w = 1; w < n_warps; ++w) r = op(r, scratch[w]);
-    __syncthreads();
-    return r;
 }
 
 // Add one count to hist[bin] for every lane with `valid`; a full warp whose
@@ -155,34 +134,42 @@ __device__ int block_find_bucket(const u32* hist, int n_bins, u32 rank, u32* scr
     return bucket;
 }
 
-// The rank-th largest (rank from 1) of the 32-bit values key_of(i) over the
-// i < n with member(i); `*above` gets how many such values exceed it. An
-// MSB-first radix select with DIGIT_BITS-bit digits, one pass per digit.
-// `hist` holds MAX_BINS words, `scratch` MAX_WARPS + 1, `found` 2.
-template <typename KeyFn, typename MemberFn>
-__device__ u32 block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank, u32* hist, u32* scratch,
-                                 u32* found, u32* above) {
-    u32 prefix = 0, above_total = 0;
+// The rank-th largest (rank from 1) of the WIDTH-bit keys key_of(i) (type K)
+// over the i < n with member(i); `*above` gets how many such keys exceed it
+// and `*equal` (when given) how many equal it. An MSB-first radix select with
+// DIGIT_BITS-bit digits, one pass per digit. `hist` holds MAX_BINS words,
+// `scratch` MAX_WARPS + 1, `found` 2.
+template <typename K = u32, int WIDTH = 32, typename KeyFn, typename MemberFn>
+__device__ K block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank, u32* hist, u32* scratch,
+                               u32* found, u32* above, u32* equal = nullptr) {
+    static_assert(WIDTH <= 8 * (int)sizeof(K), "keys wider than their type");
+    K prefix = 0;
+    u32 above_total = 0;
     int resolved = 0;  // high bits fixed so far
-    while (resolved < 32) {
-        const int digit = min(DIGIT_BITS, 32 - resolved);
-        const int shift = 32 - resolved - digit;
+    int bucket = 0;
+    while (resolved < WIDTH) {
+        const int digit = min(DIGIT_BITS, WIDTH - resolved);
+        const int shift = WIDTH - resolved - digit;
         for (int i = threadIdx.x; i < (1 << digit); i += blockDim.x) hist[i] = 0;
         __syncthreads();
         for (u32 base = 0; base < n; base += blockDim.x) {
             const u32 i = base + threadIdx.x;
             const bool valid = i < n && member(i);
-            const u32 key = valid ? key_of(i) : 0u;
-            const bool in_prefix = valid && (resolved == 0 || (key >> (32 - resolved)) == prefix);
-            warp_histogram_add(hist, (key >> shift) & ((1u << digit) - 1), in_prefix);
+            const K key = valid ? key_of(i) : (K)0;
+            const bool in_prefix = valid && (resolved == 0 || (key >> (WIDTH - resolved)) == prefix);
+            warp_histogram_add(hist, (u32)(key >> shift) & ((1u << digit) - 1), in_prefix);
         }
         __syncthreads();
         u32 above_here;
-        const int bucket = block_find_bucket(hist, 1 << digit, rank, scratch, found, &above_here);
+        bucket = block_find_bucket(hist, 1 << digit, rank, scratch, found, &above_here);
         rank -= above_here;
         above_total += above_here;
-        prefix = (prefix << digit) | (u32)bucket;
+        prefix = (prefix << digit) | (K)bucket;
         resolved += digit;
+    }
+    if (equal != nullptr) {
+        *equal = hist[bucket];
+        __syncthreads();  // the caller may clear hist next
     }
     *above = above_total;
     return prefix;
@@ -212,23 +199,97 @@ __device__ void block_bitonic_sort(K* keys, u32* idx, int n) {
     }
 }
 
-// Write the n distinct positions in idx (all < len) to out in ascending
-// order, through a bitmap of ceil(len / 32) words in shared memory.
-__device__ void block_sort_positions(const u32* idx, u32 n, u32 len, u32* bitmap, u32* scratch, u32* out) {
-    const u32 words = (len + 31) / 32;
-    for (u32 w = threadIdx.x; w < words; w += blockDim.x) bitmap[w] = 0;
-    __syncthreads();
-    for (u32 j = threadIdx.x; j < n; j += blockDim.x) atomicOr(&bitmap[idx[j] >> 5], 1u << (idx[j] & 31));
-    __syncthreads();
-    const u32 per = (words + blockDim.x - 1) / blockDim.x;
-    const u32 first = threadIdx.x * per, last = min(words, first + per);
-    u32 mine = 0;
-    for (u32 w = first; w < last; ++w) mine += __popc(bitmap[w]);
-    u32 total;
-    u32 pos = block_exclusive_sum(mine, scratch, &total);
-    for (u32 w = first; w < last; ++w)
-        for (u32 bits = bitmap[w]; bits; bits &= bits - 1) out[pos++] = w * 32 + (__ffs(bits) - 1);
-    __syncthreads();
+// Whether (ak, ai) goes before (bk, bi): key descending then index ascending
+// (by_key), or index ascending.
+template <typename K>
+__device__ __forceinline__ bool goes_before(K ak, u32 ai, K bk, u32 bi, bool by_key) {
+    return by_key ? (ak > bk || (ak == bk && ai < bi)) : ai < bi;
+}
+
+// One compare-exchange of a bitonic stage seen from position p: with the
+// partner's pair (pk, pi), keep the one this position must hold.
+template <typename K>
+__device__ __forceinline__ void bitonic_keep(K& key, u32& idx, K pk, u32 pi, int p, int stride, int size,
+                                             bool by_key) {
+    const bool keep_first = ((p & stride) == 0) == ((p & size) == 0);
+    const bool take = keep_first ? goes_before(pk, pi, key, idx, by_key) : goes_before(key, idx, pk, pi, by_key);
+    if (take) {
+        key = pk;
+        idx = pi;
+    }
+}
+
+// A stage whose partners are S < E slots apart inside one thread.
+template <int S, int E, typename K>
+__device__ __forceinline__ void bitonic_in_thread(K (&key)[E], u32 (&idx)[E], int base, int size, bool by_key) {
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        if ((e & S) == 0) {
+            const int f = e | S;
+            const bool ascending = ((base + e) & size) == 0;
+            const bool swap = ascending ? goes_before(key[f], idx[f], key[e], idx[e], by_key)
+                                        : goes_before(key[e], idx[e], key[f], idx[f], by_key);
+            if (swap) {
+                const K tk = key[e];
+                key[e] = key[f];
+                key[f] = tk;
+                const u32 ti = idx[e];
+                idx[e] = idx[f];
+                idx[f] = ti;
+            }
+        }
+    }
+}
+
+// Bitonic sort of n (key, idx) pairs held E per thread: thread t holds
+// positions t*E .. t*E+E-1, threads with t*E >= n hold nothing. Afterwards
+// position 0 holds the first pair in goes_before order. Partners in one
+// thread swap in registers, in one warp through shuffles, further apart
+// through `skey`/`sidx` (n entries of shared memory each).
+// Requires n a power of two, 32*E <= n <= E*blockDim.x. All threads call this.
+template <int E, typename K>
+__device__ void block_sort_pairs(K (&key)[E], u32 (&idx)[E], int n, bool by_key, K* skey, u32* sidx) {
+    static_assert(E == 4 || E == 8, "E is 4 or 8");
+    const int base = threadIdx.x * E;
+    const bool active = base < n;  // whole warps, as n is a multiple of 32*E
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            if (stride >= 32 * E) {
+                if (active) {
+                    #pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        skey[base + e] = key[e];
+                        sidx[base + e] = idx[e];
+                    }
+                }
+                __syncthreads();
+                if (active) {
+                    #pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const int q = (base + e) ^ stride;
+                        bitonic_keep(key[e], idx[e], skey[q], sidx[q], base + e, stride, size, by_key);
+                    }
+                }
+                __syncthreads();
+            } else if (!active) {
+                continue;
+            } else if (stride >= E) {
+                const int lanes = stride / E;
+                #pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const K pk = __shfl_xor_sync(FULL_MASK, key[e], lanes);
+                    const u32 pi = __shfl_xor_sync(FULL_MASK, idx[e], lanes);
+                    bitonic_keep(key[e], idx[e], pk, pi, base + e, stride, size, by_key);
+                }
+            } else if (stride == 4) {
+                if constexpr (E > 4) bitonic_in_thread<4>(key, idx, base, size, by_key);
+            } else if (stride == 2) {
+                bitonic_in_thread<2>(key, idx, base, size, by_key);
+            } else {
+                bitonic_in_thread<1>(key, idx, base, size, by_key);
+            }
+        }
+    }
 }
 
 }  // namespace hs

@@ -1,372 +1,526 @@
-// Exact row top-k: an MSB-first radix select over order-preserving keys.
+// Exact row top-k: one read of the row against a sampled threshold.
 //
-// One block owns one segment (a row, or a slice of a long row) at a time and
-// walks digit levels of DIGIT_BITS bits. A level is a key prefix: its members
-// are the keys whose high bits equal it. The first pass histograms the top
-// digit of the whole segment. Every later pass reads the members of the
-// previous level (from the segment, or from a candidate buffer once they
-// fit), sends keys above the current level to the output, and histograms
-// (and buffers) the members of the current level; the histogram then picks
-// the bucket holding the k-th key. The walk ends early when a bucket is
-// taken whole, or when every member shares one key. Keys equal to the final
-// threshold are taken lowest index first, so the selected set never depends
-// on scheduling; slots are filled by atomics but a final sort on the unique
-// (key, index) order fixes the output order.
+// Order: key descending, then index ascending, over order-preserving keys
+// (topk_keys.cuh). The top k under that total order is unique, so every
+// exact step below gives the same output whatever the scheduling.
+//
+// A block of THREADS threads selects from one chunk of a row (a row is cut
+// into `chunks` chunks when there are too few rows to fill the GPU); each of
+// its warps owns one contiguous span of the chunk and reads it in 16-byte
+// vectors, UNROLL of them in flight per lane.
+//   1. Threshold T: the `sample_r`-th largest key of `sample_m` keys read at
+//      evenly spaced places of the row (or T = 0, every key, for short rows).
+//      sample_r is set so that T lies at or below the k-th key except with
+//      negligible probability, and the keys above T number about 1.1-1.6 k.
+//   2. One pass: keys > T go to a shared-memory buffer of `cap` entries
+//      (key, index); keys == T are only counted, per span. A cheap
+//      conservative test on the raw bits sends few elements to the exact key.
+//   3. Many chunks: each block copies its buffer and counts to the workspace;
+//      the last block of the row (atomic ticket) gathers them and finishes.
+//   4. Finish: if more than k keys are above T, cut the buffer to the top k
+//      (radix select of the k-th key, then of the last index among its ties).
+//      If fewer, all of them are taken and the k-th key is T: the missing
+//      ones are the lowest-index elements equal to T, found by re-reading
+//      only the spans that hold them, in index order.
+//      If T was too high or the buffer overflowed, the exact k-th key is
+//      found by radix-select passes over the row and step 2 runs again with
+//      it (rare; never on data a sample represents).
+//   5. Sort the k pairs in registers (bitonic), write indices and values.
 #include "select.cuh"
+#include "topk_keys.cuh"
 
 using namespace hs;
 
 namespace {
 
-constexpr int THREADS = 512;    // block size the entry points are built for
-constexpr int SORT_CAP = 4096;  // selections up to this size are sorted here
-constexpr int TIE_CAP = 4096;   // ties up to this many are ranked in shared memory
-
-enum Mode { CONTINUE = 0, ALL_TAKEN = 1, TIES = 2 };
-enum SortMode { BY_INDEX = 0, BY_KEY = 1, UNSORTED = 2 };
-
-template <typename K>
-struct Level {
-    K prefix;
-    int shift;  // members: shr(key, shift) == prefix
-};
+constexpr int THREADS = 512;  // the entry points' block size
+constexpr int WARPS = THREADS / 32;
+constexpr int UNROLL = 4;  // 16-byte vectors per lane per step
+constexpr int MAX_CHUNKS = 64;
+constexpr int MAX_SPANS = MAX_CHUNKS * WARPS;
+constexpr int META = 1 + WARPS;  // per chunk: keys above T, then ties per span
+constexpr u32 NO_INDEX = 0xFFFFFFFFu;
 
 struct RowShared {
     u32 hist[MAX_BINS];
     u32 scratch[MAX_WARPS + 1];
-    u64 reduce[MAX_WARPS];
     u32 found[2];
-    u32 n_out, n_next, n_ties;
+    u32 n_gt;  // keys above T appended to the buffer (may exceed cap: overflow)
+    u32 flag;  // the buffer overflowed
+    u32 last;  // this block is the last of its row to finish its chunk
+    u32 span_ties[MAX_SPANS];  // keys equal to T in each span
 };
 
-// Rows are read in vectors of 4 elements (2 for 64-bit data): 8 or 16 bytes.
-template <typename Bits> struct Vec { typedef uint4 type; static constexpr int width = 4; };
-template <> struct Vec<u16> { typedef uint2 type; static constexpr int width = 4; };
-template <> struct Vec<u64> { typedef uint4 type; static constexpr int width = 2; };
+// Where a row's elements lie: `head` scalars up to the first 16-byte
+// boundary, `nv` whole vectors, `tail` scalars. Span s (of `spans`) holds
+// vectors [s * sv, (s + 1) * sv), plus the head (s = 0) and the tail (last s),
+// so spans in order cover the row in index order.
+struct Layout {
+    u32 head, nv, tail, sv, spans;
+};
 
-template <typename Bits, typename V>
-__device__ __forceinline__ Bits lane_of(const V& v, int u) {
-    if constexpr (sizeof(Bits) == 2) {
-        const u32 w = (u >> 1) ? v.y : v.x;
-        return (Bits)((w >> (16 * (u & 1))) & 0xffffu);
-    } else if constexpr (sizeof(Bits) == 4) {
-        return (Bits)(u == 0 ? v.x : u == 1 ? v.y : u == 2 ? v.z : v.w);
+template <class D>
+__device__ Layout make_layout(const typename D::Bits* row, u32 n, u32 spans) {
+    Layout L;
+    const u32 misaligned = (u32)((reinterpret_cast<size_t>(row) / sizeof(typename D::Bits)) % D::VEC);
+    L.head = min(n, misaligned ? (u32)D::VEC - misaligned : 0u);
+    L.nv = (n - L.head) / D::VEC;
+    L.tail = n - L.head - L.nv * D::VEC;
+    L.spans = spans;
+    L.sv = (L.nv + spans - 1) / spans;
+    return L;
+}
+
+// Element e of a 16-byte vector: raw bits, and (for keys up to 32 bits) the
+// bits shifted to the top of a word, as KeyTraits::pre takes them.
+template <class D>
+__device__ __forceinline__ typename D::Bits lane_bits(const uint4& v, int e) {
+    if constexpr (sizeof(typename D::Bits) == 2) {
+        const u32 w = (e >> 1) == 0 ? v.x : (e >> 1) == 1 ? v.y : (e >> 1) == 2 ? v.z : v.w;
+        return (u16)((e & 1) ? w >> 16 : w & 0xFFFFu);
+    } else if constexpr (sizeof(typename D::Bits) == 4) {
+        return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
     } else {
-        return u == 0 ? (((u64)v.y << 32) | v.x) : (((u64)v.w << 32) | v.z);
+        return e == 0 ? (((u64)v.y << 32) | v.x) : (((u64)v.w << 32) | v.z);
     }
 }
 
-template <typename K>
-__device__ __forceinline__ void track(K key, bool valid, K& kmin, K& kmax) {
-    if (valid) {
-        kmin = key < kmin ? key : kmin;
-        kmax = key > kmax ? key : kmax;
+template <class D>
+__device__ __forceinline__ u32 lane_top(const uint4& v, int e) {
+    if constexpr (sizeof(typename D::Bits) == 2) {
+        const u32 w = (e >> 1) == 0 ? v.x : (e >> 1) == 1 ? v.y : (e >> 1) == 2 ? v.z : v.w;
+        return (e & 1) ? (w & 0xFFFF0000u) : (w << 16);
+    } else {
+        return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
     }
 }
 
-// First pass: histogram of the top digit of every key, and their range.
-template <typename K>
-struct TopDigit {
-    int shift;
-    u32* hist;
-    K kmin, kmax;
-
-    __device__ __forceinline__ void visit(K key, u32, bool valid) {
-        warp_histogram_add(hist, (u32)(key >> shift), valid);
-        track(key, valid, kmin, kmax);
-    }
+// What one pass compares against and where it appends.
+template <class D>
+struct Pass {
+    typename D::K T;
+    u32 pre_bound;  // KeyTraits::bound(T) - NNH
+    typename D::K* key;
+    u32* idx;
+    u32 cap;
+    u32* n_gt;
 };
 
-// A later pass over the members of level `m`, classified against level `c`.
-template <typename Bits, typename K>
-struct Pass {
-    Level<K> m, c;
-    int mode, digit;
-    bool check_m, write_buf;
-    Bits* dst_key;
-    u32* dst_idx;
-    Bits* out_key;
-    u32* out_idx;
-    u32 out_cap;
-    Bits* tie_key;
-    u32* tie_idx;
-    RowShared* sh;
-    K kmin, kmax;
+template <class D>
+__device__ __forceinline__ Pass<D> make_pass(typename D::K T, typename D::K* key, u32* idx, u32 cap, u32* n_gt) {
+    u32 pre_bound = 0;
+    if constexpr (D::W <= 32) pre_bound = D::bound(T) - D::NNH;
+    return Pass<D>{T, pre_bound, key, idx, cap, n_gt};
+}
 
-    // All 32 lanes of every warp call this in step.
-    __device__ __forceinline__ void visit(K key, u32 idx, bool valid) {
-        if (check_m) valid = valid && shr(key, m.shift) == m.prefix;
-        const K hi = shr(key, c.shift);
-        const bool member = valid && hi == c.prefix;
-        const bool to_out = (valid && hi > c.prefix) || (member && mode == ALL_TAKEN);
-        const u32 slot = warp_append(&sh->n_out, to_out);
-        if (to_out && slot < out_cap) {
-            out_key[slot] = (Bits)key;
-            out_idx[slot] = idx;
+// One step of a warp over its span: UNROLL vectors per lane (or, for the
+// head and tail, one scalar in slot 0 of x[0]). `valid` has a bit per slot
+// u * VEC + e; slot s holds element ibase + u * ustride + e. Keys above T are
+// appended (one atomic per warp), keys equal to T counted in `ties`.
+// All 32 lanes call this.
+template <class D>
+__device__ __forceinline__ void pass_step(const uint4 (&x)[UNROLL], u32 valid, u32 ibase, u32 ustride,
+                                          const Pass<D>& p, u32& ties) {
+    typedef typename D::K K;
+    u32 maybe = 0;  // slots that may hold a key >= T
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        #pragma unroll
+        for (int e = 0; e < D::VEC; ++e) {
+            bool hit;
+            if constexpr (D::W <= 32) hit = D::pre(lane_top<D>(x[u], e)) - D::NNH >= p.pre_bound;
+            else hit = D::key(lane_bits<D>(x[u], e)) >= p.T;
+            maybe |= (u32)hit << (u * D::VEC + e);
         }
-        if (mode == CONTINUE) {
-            const u32 bin = (u32)((key >> (c.shift - digit)) & (((K)1 << digit) - 1));
-            warp_histogram_add(sh->hist, bin, member);
-            if (write_buf) {
-                const u32 s = warp_append(&sh->n_next, member);
-                if (member) {
-                    dst_key[s] = (Bits)key;
-                    dst_idx[s] = idx;
+    }
+    maybe &= valid;
+    u32 above = 0;
+    if (maybe) {
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            #pragma unroll
+            for (int e = 0; e < D::VEC; ++e) {
+                if (maybe & (1u << (u * D::VEC + e))) {
+                    const K key = D::key(lane_bits<D>(x[u], e));
+                    if (key > p.T) above |= 1u << (u * D::VEC + e);
+                    else ties += key == p.T;
                 }
             }
-            track(key, member, kmin, kmax);
-        } else if (mode == TIES) {
-            const u32 s = warp_append(&sh->n_ties, member);
-            if (member && s < TIE_CAP) {
-                tie_key[s] = (Bits)key;
-                tie_idx[s] = idx;
+        }
+    }
+    const u32 count = __popc(above);
+    if (!__any_sync(FULL_MASK, count != 0)) return;
+    const u32 inclusive = warp_inclusive_sum(count);
+    u32 slot = 0;
+    if (lane_id() == 31) slot = atomicAdd(p.n_gt, inclusive);
+    slot = __shfl_sync(FULL_MASK, slot, 31) + inclusive - count;
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        #pragma unroll
+        for (int e = 0; e < D::VEC; ++e) {
+            if (above & (1u << (u * D::VEC + e))) {
+                if (slot < p.cap) {
+                    p.key[slot] = D::key(lane_bits<D>(x[u], e));
+                    p.idx[slot] = ibase + u * ustride + e;
+                }
+                ++slot;
             }
         }
     }
-};
-
-// Visit every element of a row in index order. Aligned rows are read in
-// vectors, the next one loaded while the current one is visited.
-template <typename Bits, typename K, typename Visitor>
-__device__ void visit_row(const Bits* row, i64 len, const KeyCodec<K>& codec, Visitor& v) {
-    typedef typename Vec<Bits>::type VecT;
-    constexpr int W = Vec<Bits>::width;
-    i64 done = 0;
-    if ((reinterpret_cast<size_t>(row) & (sizeof(VecT) - 1)) == 0) {
-        const VecT* vec = reinterpret_cast<const VecT*>(row);
-        const i64 n_vec = len / W;
-        i64 i = threadIdx.x;
-        VecT cur = i < n_vec ? __ldg(vec + i) : VecT{};
-        for (i64 base = 0; base < n_vec; base += blockDim.x, i += blockDim.x) {
-            const i64 next = i + blockDim.x;
-            const VecT nxt = next < n_vec ? __ldg(vec + next) : VecT{};
-            #pragma unroll
-            for (int u = 0; u < W; ++u)
-                v.visit(codec.key((K)lane_of<Bits>(cur, u)), (u32)(i * W + u), i < n_vec);
-            cur = nxt;
-        }
-        done = n_vec * W;
-    }
-    for (i64 base = done; base < len; base += blockDim.x) {
-        const i64 j = base + threadIdx.x;
-        const bool valid = j < len;
-        v.visit(valid ? codec.key((K)row[j]) : (K)0, (u32)j, valid);
-    }
 }
 
-template <typename Bits, typename K, typename Visitor>
-__device__ void visit_buffer(const Bits* keys, const u32* idx, u32 count, Visitor& v) {
-    for (u32 base = 0; base < count; base += blockDim.x) {
-        const u32 i = base + threadIdx.x;
-        const bool valid = i < count;
-        v.visit(valid ? (K)keys[i] : (K)0, valid ? idx[i] : 0u, valid);
-    }
-}
-
-// Take the `need` lowest indices whose key equals `thr`, scanning in index order.
-template <typename Bits, typename K>
-__device__ void take_ties_in_order(const Bits* row, i64 len, const KeyCodec<K>& codec, K thr, u32 need,
-                                   Bits* out_key, u32* out_idx, u32 out_base, RowShared& sh) {
-    u32 taken = 0;
-    for (i64 base = 0; base < len && taken < need; base += blockDim.x) {
-        const i64 i = base + threadIdx.x;
-        const bool tie = i < len && codec.key((K)row[i]) == thr;
-        u32 total;
-        const u32 pos = block_exclusive_sum(tie ? 1u : 0u, sh.scratch, &total);
-        if (tie && taken + pos < need) {
-            out_key[out_base + taken + pos] = (Bits)thr;
-            out_idx[out_base + taken + pos] = (u32)i;
-        }
-        taken += total;
-    }
-}
-
-// Of the n <= TIE_CAP ties gathered in shared memory, take the `need` lowest.
-template <typename Bits>
-__device__ void take_ties_from_shared(Bits* tie_key, u32* tie_idx, u32 n, u32 need, Bits thr, Bits* out_key,
-                                      u32* out_idx, u32 out_base) {
-    int n_pad = 1;
-    while (n_pad < (int)n) n_pad <<= 1;
-    for (int i = n + threadIdx.x; i < n_pad; i += blockDim.x) tie_idx[i] = 0xffffffffu;
-    __syncthreads();
-    block_bitonic_sort<false>(tie_key, tie_idx, n_pad);
-    for (u32 j = threadIdx.x; j < need; j += blockDim.x) {
-        out_key[out_base + j] = thr;
-        out_idx[out_base + j] = tie_idx[j];
-    }
-    __syncthreads();
-}
-
-// Order the k picks held in out_key/out_idx and write the final results.
-// Index order goes through a bitmap of the segment when it fits the work
-// area, else (like key order) through a bitonic sort.
-template <typename Bits>
-__device__ void write_result(const Bits* row, i64 len, const Bits* out_key, u32* out_idx, u32 k, int sort_mode,
-                             Bits* work_key, u32* work_idx, RowShared& sh, i64 index_offset, i64* final_idx,
-                             Bits* final_val) {
-    constexpr u32 WORK_BITS = SORT_CAP * (sizeof(Bits) + 4) * 8;
-    if (sort_mode == UNSORTED) {
-        for (u32 j = threadIdx.x; j < k; j += blockDim.x) {
-            final_idx[j] = index_offset + out_idx[j];
-            final_val[j] = row[out_idx[j]];
-        }
-        return;
-    }
-    if (sort_mode == BY_INDEX && len <= (i64)WORK_BITS) {
-        block_sort_positions(out_idx, k, (u32)len, reinterpret_cast<u32*>(work_key), sh.scratch, out_idx);
-        for (u32 j = threadIdx.x; j < k; j += blockDim.x) {
-            final_idx[j] = index_offset + out_idx[j];
-            final_val[j] = row[out_idx[j]];
-        }
-        return;
-    }
-    int n_pad = 1;
-    while (n_pad < (int)k) n_pad <<= 1;
-    for (int j = threadIdx.x; j < n_pad; j += blockDim.x) {
-        const bool real = j < (int)k;
-        work_key[j] = real ? out_key[j] : (Bits)0;
-        work_idx[j] = real ? out_idx[j] : 0xffffffffu;
-    }
-    __syncthreads();
-    if (sort_mode == BY_KEY) block_bitonic_sort<true>(work_key, work_idx, n_pad);
-    else block_bitonic_sort<false>(work_key, work_idx, n_pad);
-    for (u32 j = threadIdx.x; j < k; j += blockDim.x) {
-        final_idx[j] = index_offset + work_idx[j];
-        final_val[j] = row[work_idx[j]];
-    }
-}
-
-template <typename K>
-__device__ __forceinline__ K block_min(K x, RowShared& sh) {
-    return (K)block_reduce((u64)x, sh.reduce, [](u64 a, u64 b) { return a < b ? a : b; });
-}
-
-template <typename K>
-__device__ __forceinline__ K block_max(K x, RowShared& sh) {
-    return (K)block_reduce((u64)x, sh.reduce, [](u64 a, u64 b) { return a > b ? a : b; });
-}
-
-// Select the top k (< len) of one segment into out_key/out_idx (any order).
-template <typename Bits, typename K>
-__device__ void select_segment(const Bits* row, i64 len, u32 k, const KeyCodec<K>& codec, int width,
-                               Bits* buf_key, u32* buf_idx, u32 cap, Bits* out_key, u32* out_idx,
-                               Bits* tie_key, u32* tie_idx, RowShared& sh) {
-    for (int i = threadIdx.x; i < MAX_BINS; i += blockDim.x) sh.hist[i] = 0;
-    if (threadIdx.x == 0) sh.n_out = 0;
-    __syncthreads();
-    const int top = min(DIGIT_BITS, width);
-    TopDigit<K> first{width - top, sh.hist, (K)~(K)0, (K)0};
-    visit_row(row, len, codec, first);
-    __syncthreads();
-
-    Level<K> m = {(K)0, width}, c = {(K)0, width};
-    int mode = CONTINUE, digit = top;
-    int written = -1;       // candidate-buffer half holding the members of c, or -1
-    u64 c_size = (u64)len;  // members of level c
-    u32 k_rem = k;
-    K kmin = block_min(first.kmin, sh), kmax = block_max(first.kmax, sh);
-    for (;;) {
-        // The histogram holds the members of c: pick the bucket of the k-th key.
-        u32 above;
-        const int bucket = block_find_bucket(sh.hist, 1 << digit, k_rem, sh.scratch, sh.found, &above);
-        k_rem -= above;
-        const u64 count = sh.hist[bucket];
-        const int src = written;  // -1: read the segment itself
-        const u32 src_count = (u32)c_size;
-        m = c;
-        c = kmin == kmax ? Level<K>{kmin, 0} : Level<K>{(K)((c.prefix << digit) | (K)bucket), c.shift - digit};
-        c_size = count;
-        mode = count == k_rem ? ALL_TAKEN : (c.shift == 0 ? TIES : CONTINUE);
-
-        // Pass over the members of m, classified against the new c.
-        digit = mode == CONTINUE ? min(DIGIT_BITS, c.shift) : 0;
-        const bool write_buf = mode == CONTINUE && c_size <= cap;
-        const int dst = src == 0 ? 1 : 0;
-        __syncthreads();
-        for (int i = threadIdx.x; i < (1 << digit); i += blockDim.x) sh.hist[i] = 0;
-        if (threadIdx.x == 0) sh.n_next = sh.n_ties = 0;
-        __syncthreads();
-        Pass<Bits, K> p{m, c, mode, digit, src == -1 && m.shift < width, write_buf,
-                        buf_key + (size_t)dst * cap, buf_idx + (size_t)dst * cap, out_key, out_idx, k,
-                        tie_key, tie_idx, &sh, (K)~(K)0, (K)0};
-        if (src == -1) visit_row(row, len, codec, p);
-        else visit_buffer<Bits, K>(buf_key + (size_t)src * cap, buf_idx + (size_t)src * cap, src_count, p);
-        __syncthreads();
-        if (mode != CONTINUE) break;
-        kmin = block_min(p.kmin, sh);
-        kmax = block_max(p.kmax, sh);
-        written = write_buf ? dst : -1;
-    }
-    if (mode == TIES) {
-        const u32 base = sh.n_out;
-        const u32 n_ties = sh.n_ties;
-        __syncthreads();
-        if (n_ties <= TIE_CAP)
-            take_ties_from_shared(tie_key, tie_idx, n_ties, k_rem, (Bits)c.prefix, out_key, out_idx, base);
-        else
-            take_ties_in_order(row, len, codec, c.prefix, k_rem, out_key, out_idx, base, sh);
-    }
-    __syncthreads();
-}
-
-template <typename Bits>
-__device__ void topk_segments(const Bits* base, i64 row_len, i64 seg_len, int segs_per_row, int n_segments,
-                              int k, const KeyCodec<typename KeyOf<Bits>::type>& codec, int width,
-                              Bits* buf_key, u32* buf_idx, int cap, Bits* out_key_all, u32* out_idx_all,
-                              int sort_mode, i64* final_idx, Bits* final_val, i64 out_row_stride) {
-    __shared__ RowShared sh;
-    extern __shared__ __align__(16) unsigned char work[];
-    Bits* work_key = reinterpret_cast<Bits*>(work);
-    u32* work_idx = reinterpret_cast<u32*>(work + SORT_CAP * sizeof(Bits));
-    Bits* my_buf_key = buf_key + (size_t)blockIdx.x * 2 * cap;
-    u32* my_buf_idx = buf_idx + (size_t)blockIdx.x * 2 * cap;
-    Bits* out_key = out_key_all + (size_t)blockIdx.x * k;
-    u32* out_idx = out_idx_all + (size_t)blockIdx.x * k;
-    for (int seg = blockIdx.x; seg < n_segments; seg += gridDim.x) {
-        const i64 r = seg / segs_per_row, b = seg % segs_per_row;
-        const i64 start = b * seg_len;
-        const i64 len = min(seg_len, row_len - start);
-        const Bits* row = base + r * row_len + start;
-        const u32 k_eff = (u32)min((i64)k, len);
-        if (k_eff == len) {
-            for (i64 i = threadIdx.x; i < len; i += blockDim.x) {
-                out_key[i] = (Bits)codec.key((typename KeyOf<Bits>::type)row[i]);
-                out_idx[i] = (u32)i;
-            }
-            __syncthreads();
+// One scalar per lane (lanes < count): elements first + lane.
+template <class D>
+__device__ __forceinline__ void pass_scalars(const typename D::Bits* row, u32 first, u32 count, const Pass<D>& p,
+                                             u32& ties) {
+    uint4 x[UNROLL] = {};
+    const bool mine = lane_id() < count;
+    if (mine) {
+        const typename D::Bits b = row[first + lane_id()];
+        if constexpr (sizeof(b) == 8) {
+            x[0].x = (u32)b;
+            x[0].y = (u32)(b >> 32);
         } else {
-            select_segment(row, len, k_eff, codec, width, my_buf_key, my_buf_idx, (u32)cap, out_key, out_idx,
-                           work_key, work_idx, sh);
+            x[0].x = (u32)b;
         }
-        const i64 off = r * out_row_stride + b * k;
-        write_result(row, len, out_key, out_idx, k_eff, sort_mode, work_key, work_idx, sh, start,
-                     final_idx + off, final_val + off);
+    }
+    pass_step<D>(x, mine ? 1u : 0u, first + lane_id(), 0, p, ties);
+}
+
+// Warp pass over span s; returns this lane's count of keys equal to T.
+template <class D>
+__device__ u32 pass_span(const typename D::Bits* row, const Layout& L, u32 s, const Pass<D>& p) {
+    u32 ties = 0;
+    if (s == 0 && L.head) pass_scalars<D>(row, 0, L.head, p, ties);
+    const uint4* vec = reinterpret_cast<const uint4*>(row + L.head);
+    const u32 v0 = min(s * L.sv, L.nv), v1 = min(v0 + L.sv, L.nv);
+    constexpr u32 STEP = 32 * UNROLL;
+    constexpr u32 ALL = D::VEC * UNROLL == 32 ? FULL_MASK : (1u << (D::VEC * UNROLL)) - 1;
+    u32 v = v0;
+    for (; v + STEP <= v1; v += STEP) {
+        uint4 x[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) x[u] = __ldg(vec + v + lane_id() + 32 * u);
+        pass_step<D>(x, ALL, L.head + (v + lane_id()) * D::VEC, 32 * D::VEC, p, ties);
+    }
+    if (v < v1) {
+        uint4 x[UNROLL];
+        u32 valid = 0;
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u32 w = v + lane_id() + 32 * u;
+            x[u] = w < v1 ? __ldg(vec + w) : uint4{};
+            if (w < v1) valid |= ((1u << D::VEC) - 1) << (u * D::VEC);
+        }
+        pass_step<D>(x, valid, L.head + (v + lane_id()) * D::VEC, 32 * D::VEC, p, ties);
+    }
+    if (s == L.spans - 1 && L.tail) pass_scalars<D>(row, L.head + L.nv * D::VEC, L.tail, p, ties);
+    return ties;
+}
+
+__device__ __forceinline__ u32 warp_sum(u32 x) {
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(FULL_MASK, x, d);
+    return x;
+}
+
+// Step 2 for the spans of chunk `chunk`, warp w taking span chunk * WARPS + w.
+// Leaves sh.n_gt and sh.span_ties of those spans set.
+template <class D>
+__device__ void run_pass(const typename D::Bits* row, const Layout& L, u32 chunk, const Pass<D>& p, RowShared& sh) {
+    const u32 s = chunk * WARPS + warp_id();
+    const u32 ties = warp_sum(pass_span<D>(row, L, s, p));
+    if (lane_id() == 0) sh.span_ties[s] = ties;
+    __syncthreads();
+}
+
+// Step 1: the r-th largest of m keys sampled at evenly spaced vectors.
+template <class D>
+__device__ typename D::K sample_threshold(const typename D::Bits* row, const Layout& L, u32 m, u32 r,
+                                          typename D::K* skey, RowShared& sh) {
+    typedef typename D::K K;
+    const u32 mv = m / D::VEC;
+    const uint4* vec = reinterpret_cast<const uint4*>(row + L.head);
+    for (u32 j = threadIdx.x; j < mv; j += blockDim.x) {
+        const uint4 x = __ldg(vec + (u32)((u64)j * L.nv / mv));
+        #pragma unroll
+        for (int e = 0; e < D::VEC; ++e) skey[j * D::VEC + e] = D::key(lane_bits<D>(x, e));
+    }
+    __syncthreads();
+    u32 above;
+    return block_kth_largest<K, D::W>([&](u32 i) { return skey[i]; }, [](u32) { return true; }, m, r, sh.hist,
+                                      sh.scratch, sh.found, &above);
+}
+
+// Step 3: publish this chunk; the row's last block gathers every chunk's
+// keys above T into its buffer and returns true (others return false).
+template <class D>
+__device__ bool gather_chunks(u32 row_id, u32 chunk, u32 chunks, u32 cap, typename D::K* key, u32* idx,
+                              typename D::K* ws_key, u32* ws_idx, u32* ws_meta, u32* done, RowShared& sh) {
+    const size_t first = (size_t)row_id * chunks;
+    const u32 mine = min(sh.n_gt, cap);
+    for (u32 j = threadIdx.x; j < mine; j += blockDim.x) {
+        ws_key[(first + chunk) * cap + j] = key[j];
+        ws_idx[(first + chunk) * cap + j] = idx[j];
+    }
+    u32* meta = ws_meta + (first + chunk) * META;
+    if (threadIdx.x == 0) meta[0] = sh.n_gt;
+    if (threadIdx.x < WARPS) meta[1 + threadIdx.x] = sh.span_ties[chunk * WARPS + threadIdx.x];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) sh.last = atomicAdd(done + row_id, 1u) == chunks - 1;
+    __syncthreads();
+    if (!sh.last) return false;
+    __threadfence();
+    // hist[c]: chunks before c hold this many keys above T (c <= chunks).
+    const u32 count = threadIdx.x < chunks ? __ldcg(ws_meta + (first + threadIdx.x) * META) : 0u;
+    u32 total;
+    const u32 before = block_exclusive_sum(count, sh.scratch, &total);
+    if (threadIdx.x <= chunks) sh.hist[threadIdx.x] = before;
+    const bool overflow = __syncthreads_or(count > cap) || total > cap;
+    for (u32 s = threadIdx.x; s < chunks * WARPS; s += blockDim.x)
+        sh.span_ties[s] = __ldcg(ws_meta + (first + s / WARPS) * META + 1 + s % WARPS);
+    if (!overflow) {
+        for (u32 j = threadIdx.x; j < total; j += blockDim.x) {
+            u32 lo = 0, hi = chunks - 1;  // the chunk c with hist[c] <= j < hist[c + 1]
+            while (lo < hi) {
+                const u32 mid = (lo + hi + 1) / 2;
+                if (sh.hist[mid] <= j) lo = mid;
+                else hi = mid - 1;
+            }
+            const size_t at = (first + lo) * cap + (j - sh.hist[lo]);
+            key[j] = __ldcg(ws_key + at);
+            idx[j] = __ldcg(ws_idx + at);
+        }
+    }
+    if (threadIdx.x == 0) {
+        sh.n_gt = total;
+        sh.flag = overflow;
+    }
+    __syncthreads();
+    return true;
+}
+
+// Keep exactly the top k of the n buffer entries, moved to [0, k).
+template <class D>
+__device__ void cut(typename D::K* key, u32* idx, u32 n, u32 k, RowShared& sh) {
+    typedef typename D::K K;
+    u32 above, equal;
+    const K kth = block_kth_largest<K, D::W>([&](u32 i) { return key[i]; }, [](u32) { return true; }, n, k,
+                                             sh.hist, sh.scratch, sh.found, &above, &equal);
+    const u32 need = k - above;  // ties of kth to keep: the lowest indices
+    u32 last = NO_INDEX;
+    if (equal > need) {
+        u32 unused;
+        last = ~block_kth_largest<u32, 32>([&](u32 i) { return ~idx[i]; }, [&](u32 i) { return key[i] == kth; },
+                                           n, need, sh.hist, sh.scratch, sh.found, &unused);
+    }
+    // Stable compaction in place: an entry only moves down, past entries
+    // already read in an earlier round.
+    u32 done = 0;
+    for (u32 base = 0; base < n; base += blockDim.x) {
+        const u32 i = base + threadIdx.x;
+        K k_i = 0;
+        u32 i_i = 0;
+        bool keep = false;
+        if (i < n) {
+            k_i = key[i];
+            i_i = idx[i];
+            keep = k_i > kth || (k_i == kth && i_i <= last);
+        }
+        u32 total;
+        const u32 pos = done + block_exclusive_sum(keep ? 1u : 0u, sh.scratch, &total);
+        if (keep) {
+            key[pos] = k_i;
+            idx[pos] = i_i;
+        }
+        done += total;
+    }
+    __syncthreads();
+}
+
+// Warp w writes the first `take` elements equal to T of span s, in index order.
+template <class D>
+__device__ void span_ties(const typename D::Bits* row, const Layout& L, u32 s, typename D::K T, u32 take,
+                          typename D::K* key, u32* idx) {
+    u32 found = 0;
+    // One piece: lane's `count` slots of x hold elements ibase + e.
+    auto piece = [&](const uint4& x, u32 count, u32 ibase) {
+        u32 mine = 0;
+        #pragma unroll
+        for (int e = 0; e < D::VEC; ++e)
+            if (e < (int)count && D::key(lane_bits<D>(x, e)) == T) mine |= 1u << e;
+        const u32 c = __popc(mine);
+        const u32 inclusive = warp_inclusive_sum(c);
+        u32 pos = found + inclusive - c;
+        #pragma unroll
+        for (int e = 0; e < D::VEC; ++e) {
+            if (mine & (1u << e)) {
+                if (pos < take) {
+                    key[pos] = T;
+                    idx[pos] = ibase + e;
+                }
+                ++pos;
+            }
+        }
+        found += __shfl_sync(FULL_MASK, inclusive, 31);
+    };
+    auto scalars = [&](u32 first, u32 count) {
+        uint4 x = {};
+        const bool mine = lane_id() < count;
+        if (mine) {
+            const typename D::Bits b = row[first + lane_id()];
+            if constexpr (sizeof(b) == 8) {
+                x.x = (u32)b;
+                x.y = (u32)(b >> 32);
+            } else {
+                x.x = (u32)b;
+            }
+        }
+        piece(x, mine ? 1u : 0u, first + lane_id());
+    };
+    if (s == 0 && L.head) scalars(0, L.head);
+    const uint4* vec = reinterpret_cast<const uint4*>(row + L.head);
+    const u32 v0 = min(s * L.sv, L.nv), v1 = min(v0 + L.sv, L.nv);
+    for (u32 v = v0; v < v1 && found < take; v += 32) {
+        const u32 w = v + lane_id();
+        piece(w < v1 ? __ldg(vec + w) : uint4{}, w < v1 ? (u32)D::VEC : 0u, L.head + w * D::VEC);
+    }
+    if (s == L.spans - 1 && L.tail && found < take) scalars(L.head + L.nv * D::VEC, L.tail);
+}
+
+// Append to the buffer at [base, base + need) the `need` lowest-index
+// elements equal to T, given the count of them in every span.
+template <class D>
+__device__ void take_ties(const typename D::Bits* row, const Layout& L, typename D::K T, u32 need, u32 base,
+                          typename D::K* key, u32* idx, RowShared& sh) {
+    u32 run = 0;  // hist[s]: elements equal to T in spans before s
+    for (u32 first = 0; first < L.spans; first += blockDim.x) {
+        const u32 s = first + threadIdx.x;
+        u32 total;
+        const u32 before = block_exclusive_sum(s < L.spans ? sh.span_ties[s] : 0u, sh.scratch, &total);
+        if (s < L.spans) sh.hist[s] = run + before;
+        run += total;
+    }
+    __syncthreads();
+    for (u32 s = warp_id(); s < L.spans; s += WARPS) {
+        const u32 off = sh.hist[s];
+        if (off >= need || sh.span_ties[s] == 0) continue;
+        const u32 take = min(sh.span_ties[s], need - off);
+        span_ties<D>(row, L, s, T, take, key + base + off, idx + base + off);
+    }
+    __syncthreads();
+}
+
+// Step 5: sort the k pairs in [0, k) and write them.
+template <class D, int E>
+__device__ void sort_and_write(const typename D::Bits* row, u32 k, u32 k_pad, bool by_key, typename D::K* key,
+                               u32* idx, i64* out_idx, typename D::Bits* out_val) {
+    typedef typename D::K K;
+    K mk[E];
+    u32 mi[E];
+    const u32 base = threadIdx.x * E;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const u32 p = base + e;
+        mk[e] = p < k ? key[p] : (K)0;
+        mi[e] = p < k ? idx[p] : NO_INDEX;
+    }
+    __syncthreads();
+    block_sort_pairs<E>(mk, mi, (int)k_pad, by_key, key, idx);
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const u32 p = base + e;
+        if (p < k) {
+            typename D::Bits b;
+            if (!D::bits_of(mk[e], b)) b = row[mi[e]];  // NaN payload or the sign of zero
+            out_idx[p] = mi[e];
+            out_val[p] = b;
+        }
+    }
+}
+
+template <class D>
+__device__ void topk_row(const typename D::Bits* in, u32 n, u32 k, u32 chunks, u32 cap, u32 sample_m, u32 sample_r,
+                         u32 k_pad, bool by_key, typename D::K* ws_key, u32* ws_idx, u32* ws_meta, u32* done,
+                         i64* out_idx, typename D::Bits* out_val) {
+    typedef typename D::K K;
+    __shared__ RowShared sh;
+    extern __shared__ __align__(16) unsigned char smem[];
+    K* key = reinterpret_cast<K*>(smem);
+    u32* idx = reinterpret_cast<u32*>(smem + (size_t)cap * sizeof(K));
+    const u32 row_id = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
+    const typename D::Bits* row = in + (size_t)row_id * n;
+    Layout L = make_layout<D>(row, n, chunks * WARPS);
+
+    K T = 0;
+    if (sample_m) T = sample_threshold<D>(row, L, sample_m, sample_r, key, sh);
+    if (threadIdx.x == 0) sh.n_gt = 0;
+    __syncthreads();
+    run_pass<D>(row, L, chunk, make_pass<D>(T, key, idx, cap, &sh.n_gt), sh);
+    if (chunks > 1) {
+        if (!gather_chunks<D>(row_id, chunk, chunks, cap, key, idx, ws_key, ws_idx, ws_meta, done, sh)) return;
+    } else {
+        if (threadIdx.x == 0) sh.flag = sh.n_gt > cap;
         __syncthreads();
     }
+    u32 n_gt = sh.n_gt;
+    u32 ties_total;
+    u32 mine = 0;
+    for (u32 s = threadIdx.x; s < L.spans; s += blockDim.x) mine += sh.span_ties[s];
+    block_exclusive_sum(mine, sh.scratch, &ties_total);
+    if (sh.flag || n_gt + ties_total < k) {
+        // T too high, or too many keys above it: find the exact k-th key.
+        u32 above;
+        T = block_kth_largest<K, D::W>([&](u32 i) { return D::key(row[i]); }, [](u32) { return true; }, n, k,
+                                       sh.hist, sh.scratch, sh.found, &above);
+        L = make_layout<D>(row, n, WARPS);
+        if (threadIdx.x == 0) sh.n_gt = 0;
+        __syncthreads();
+        run_pass<D>(row, L, 0, make_pass<D>(T, key, idx, cap, &sh.n_gt), sh);
+        n_gt = sh.n_gt;  // == above < k
+    }
+    if (n_gt > k) cut<D>(key, idx, n_gt, k, sh);
+    else if (n_gt < k) take_ties<D>(row, L, T, k - n_gt, n_gt, key, idx, sh);
+
+    out_idx += (size_t)row_id * k;
+    out_val += (size_t)row_id * k;
+    if (k_pad <= 4 * THREADS) sort_and_write<D, 4>(row, k, k_pad, by_key, key, idx, out_idx, out_val);
+    else sort_and_write<D, 8>(row, k, k_pad, by_key, key, idx, out_idx, out_val);
 }
 
 }  // namespace
 
-#define HS_TOPK_ENTRY(NAME, BITS, WIDTH)                                                                   \
-    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                                \
-    NAME(const BITS* base, i64 row_len, i64 seg_len, int segs_per_row, int n_segments, int k, u64 ones,     \
-         u64 sign, u64 exp_mask, u64 mant_mask, int is_float, int invert, BITS* buf_key, u32* buf_idx,      \
-         int cap, BITS* out_key, u32* out_idx, int sort_mode, i64* final_idx, BITS* final_val,              \
-         i64 out_row_stride) {                                                                              \
-        typedef KeyOf<BITS>::type K;                                                                        \
-        const KeyCodec<K> codec{(K)ones, (K)sign, (K)exp_mask, (K)mant_mask, is_float != 0, invert != 0};   \
-        topk_segments<BITS>(base, row_len, seg_len, segs_per_row, n_segments, k, codec, WIDTH, buf_key,    \
-                            buf_idx, cap, out_key, out_idx, sort_mode, final_idx, final_val,               \
-                            out_row_stride);                                                              \
+// Entry points: one grid of rows * chunks blocks of THREADS threads; `cap`
+// buffer entries of dynamic shared memory (cap * (sizeof(K) + 4) bytes).
+#define HS_TOPK_ENTRY(NAME, D)                                                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                                  \
+    NAME(const D::Bits* in, u32 n, u32 k, u32 chunks, u32 cap, u32 sample_m, u32 sample_r, u32 k_pad,          \
+         int by_key, D::K* ws_key, u32* ws_idx, u32* ws_meta, u32* done, i64* out_idx, D::Bits* out_val) {    \
+        topk_row<D>(in, n, k, chunks, cap, sample_m, sample_r, k_pad, by_key != 0, ws_key, ws_idx, ws_meta,  \
+                    done, out_idx, out_val);                                                                 \
     }
+#define HS_TOPK_ENTRIES(NAME, D)                 \
+    HS_TOPK_ENTRY(topk_##NAME##_largest, D<false>) \
+    HS_TOPK_ENTRY(topk_##NAME##_smallest, D<true>)
 
-// HS_TOPK_WIDTH (16, 32 or 64) builds one entry point only; unset builds all.
-#if !defined(HS_TOPK_WIDTH) || HS_TOPK_WIDTH == 16
-HS_TOPK_ENTRY(topk_select_u16, u16, 16)
+// HS_TOPK_DTYPE (0 float16, 1 bfloat16, 2 float32, 3 float64, 4 int32,
+// 5 int64) builds one dtype's entry points; unset builds all.
+#if !defined(HS_TOPK_DTYPE) || HS_TOPK_DTYPE == 0
+HS_TOPK_ENTRIES(float16, Float16)
 #endif
-#if !defined(HS_TOPK_WIDTH) || HS_TOPK_WIDTH == 32
-HS_TOPK_ENTRY(topk_select_u32, u32, 32)
+#if !defined(HS_TOPK_DTYPE) || HS_TOPK_DTYPE == 1
+HS_TOPK_ENTRIES(bfloat16, BFloat16)
 #endif
-#if !defined(HS_TOPK_WIDTH) || HS_TOPK_WIDTH == 64
-HS_TOPK_ENTRY(topk_select_u64, u64, 64)
+#if !defined(HS_TOPK_DTYPE) || HS_TOPK_DTYPE == 2
+HS_TOPK_ENTRIES(float32, Float32)
+#endif
+#if !defined(HS_TOPK_DTYPE) || HS_TOPK_DTYPE == 3
+HS_TOPK_ENTRIES(float64, Float64)
+#endif
+#if !defined(HS_TOPK_DTYPE) || HS_TOPK_DTYPE == 4
+HS_TOPK_ENTRIES(int32, Int32)
+#endif
+#if !defined(HS_TOPK_DTYPE) || HS_TOPK_DTYPE == 5
+HS_TOPK_ENTRIES(int64, Int64)
 #endif

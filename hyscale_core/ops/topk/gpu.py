@@ -1,95 +1,119 @@
-"""GPU backend of ``topk``: the radix-select kernels of ``cuda/topk.cu``.
+"""GPU backend of ``topk``: the sampled-threshold kernels of ``cuda/topk.cu``.
 
-Rows are cut into segments that one block each selects from (a persistent
-grid walks the segments). A row longer than ``SEGMENT_BYTES`` (or one of
-too few rows to fill the GPU) is cut into several segments: each segment is
-small enough that its later passes re-read it from the L2 cache, and the
-segments' top-k candidates, emitted in index order (so position order is
-index order), form a shorter row that one more launch selects from.
-Selections larger than the kernel's in-block sort (``SORT_CAP``) are ordered
-afterwards by CuPy's sort.
+One launch per call: a block per row (or per chunk of a row, when there are
+too few rows to fill the GPU) reads the row once against a threshold taken
+from a sample of the row, keeps the keys above it in shared memory, and cuts
+them to the exact top k (see the kernel's header for the steps). ``k`` above
+the kernel's in-register sort (``SORT_CAP``) and ``k == n`` go through the
+sort-based path of ``gpu_sort``.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..._backend import cupy_module
 from ...gpu.module import get_kernel, multiprocessor_count
 from . import gpu_sort
-from .keys import key_spec, sortable_keys
+from .keys import key_spec
 
-SORT_CAP = 4096  # cuda/topk.cu: SORT_CAP (also its tie buffer)
-THREADS = 512  # cuda/topk.cu: THREADS, two blocks per multiprocessor
-BY_INDEX, BY_KEY, UNSORTED = 0, 1, 2
-SEGMENT_BYTES = 128 << 10  # a resident block's segment stays in L2 between passes
-MAX_CANDIDATES = 1 << 16  # the second stage's row length, at most
-MAX_CAP = 1 << 16  # candidate-buffer entries per block, at most
+SORT_CAP = 4096  # cuda/topk.cu sorts up to 8 pairs per thread of 512
+THREADS = 512  # cuda/topk.cu: THREADS
+WARPS = THREADS // 32
+MAX_CHUNKS = 64  # cuda/topk.cu: MAX_CHUNKS
+MIN_CHUNK = 16384  # elements per chunk, at least, when a row is cut into chunks
+SHORT_ROW = 8192  # rows up to this length keep every element (no sample)
+MAX_DYNAMIC_SMEM = 200 << 10  # bytes of buffer per block, at most (227 KiB less the static part)
 POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
 
-_KERNELS = {16: "topk_select_u16", 32: "topk_select_u32", 64: "topk_select_u64"}
+_DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4, "int64": 5}
 
 
-def _segments(n_rows: int, n: int, k: int, itemsize: int) -> int:
-    """Segments per row: enough to keep segments in L2 and every SM busy."""
-    min_len = 8 * k  # candidates shrink the row at least eightfold
-    if n < 2 * min_len:
-        return 1
-    by_cache = -(-n * itemsize // SEGMENT_BYTES)
-    by_sms = -(-2 * multiprocessor_count(cupy_module().cuda.Device().id) // n_rows)
-    return int(max(1, min(max(by_cache, by_sms), n // min_len, MAX_CANDIDATES // k)))
+@dataclass(frozen=True)
+class Plan:
+    """Launch parameters of one call (see cuda/topk.cu).
 
-
-def _select(cp, rows, k: int, largest: bool, sort_mode: int, segs: int):
-    """One kernel launch: ``(indices int64 [R, C], value bits [R, C])``.
-
-    With ``segs`` segments per row, C is the candidates' count (each
-    segment's top-k, segment order); with one segment, C = k.
+    chunks   : blocks per row.
+    cap      : buffer entries per block (keys above the threshold it can hold).
+    sample_m : sampled keys per row (0: no sample, the threshold keeps all).
+    sample_r : rank of the threshold among the sampled keys.
+    k_pad    : the sort's size, a power of two >= max(k, 128).
     """
+
+    chunks: int
+    cap: int
+    sample_m: int
+    sample_r: int
+    k_pad: int
+
+
+def sample_rank(m: int, k: int, n: int) -> int:
+    """Rank (from the top) of the threshold among ``m`` keys sampled from ``n``.
+
+    About m k / n sampled keys lie above the k-th key; the threshold sits
+    4 standard deviations (+3) further down, so it lies at or below the k-th
+    key except with probability ~1e-5, and the keys above it number about
+    n r / m.
+    """
+    mean = m * k / n
+    return int(min(m, math.ceil(mean + 4.0 * math.sqrt(mean) + 3.0)))
+
+
+def plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
+    """Launch parameters for ``k <= SORT_CAP`` of rows of length ``n``."""
+    key_bytes = 8 if itemsize == 8 else 4
+    entry = key_bytes + 4
+    k_pad = max(128, 1 << (k - 1).bit_length())
+    max_cap = MAX_DYNAMIC_SMEM // entry
+    if n <= SHORT_ROW:
+        m = r = 0
+        cap = max(n, k_pad)
+    else:
+        m = 1 << max(12, min((n // 64).bit_length() - 1, 14 if key_bytes == 4 else 13))
+        r = sample_rank(m, k, n)
+        expected, spread = n * r / m, n * math.sqrt(r) / m
+        cap = math.ceil(expected + 6.0 * spread) + 256
+        cap = min(max(cap, k_pad, -(-m * key_bytes // entry)), max_cap)
+    cap = -(-cap // 32) * 32
+    chunks = 1
+    if n_rows < sms:
+        chunks = max(1, min(MAX_CHUNKS, -(-2 * sms // n_rows), n // MIN_CHUNK))
+    return Plan(chunks, cap, m, r, k_pad)
+
+
+def _launch(cp, rows, k: int, largest: bool, by_key: bool, p: Plan):
+    """Run the kernel: ``(values [R, k], indices int64 [R, k])``."""
     n_rows, n = rows.shape
     spec = key_spec(rows.dtype)
     bits = rows.view(spec.bits_dtype)
-    seg_len = -(-n // segs)
-    seg_len = -(-seg_len // 8) * 8  # every segment start stays 16-byte aligned
-    segs = -(-n // seg_len)
-    last = n - (segs - 1) * seg_len
-    width = (segs - 1) * k + min(k, last)
-    n_segments = n_rows * segs
-    threads = THREADS if seg_len >= 4096 else THREADS // 2
-    sms = multiprocessor_count(cp.cuda.Device().id)
-    grid = min(n_segments, sms * (1024 // threads))
-    cap = int(min(max(seg_len // 4, 256), seg_len, MAX_CAP))
-    buf_key = cp.empty(grid * 2 * cap, dtype=spec.bits_dtype)
-    buf_idx = cp.empty(grid * 2 * cap, dtype=cp.uint32)
-    out_key = cp.empty(grid * k, dtype=spec.bits_dtype)
-    out_idx = cp.empty(grid * k, dtype=cp.uint32)
-    final_idx = cp.empty((n_rows, width), dtype=cp.int64)
-    final_val = cp.empty((n_rows, width), dtype=spec.bits_dtype)
+    key_dtype = np.uint64 if spec.width == 64 else np.uint32
+    out_idx = cp.empty((n_rows, k), dtype=cp.int64)
+    out_val = cp.empty((n_rows, k), dtype=spec.bits_dtype)
     if POISON_OUTPUTS:
-        final_idx.fill(-7)
-        final_val.fill(0x5A)
-    smem = SORT_CAP * (spec.bits_dtype.itemsize + 4)
-    kernel = get_kernel("topk", _KERNELS[spec.width], smem, (f"HS_TOPK_WIDTH={spec.width}",))
+        out_idx.fill(-7)
+        out_val.fill(0x5A)
+    null = np.uint64(0)
+    ws_key = ws_idx = ws_meta = done = null
+    if p.chunks > 1:
+        slots = n_rows * p.chunks
+        ws_key = cp.empty(slots * p.cap, dtype=key_dtype)
+        ws_idx = cp.empty(slots * p.cap, dtype=cp.uint32)
+        ws_meta = cp.empty(slots * (1 + WARPS), dtype=cp.uint32)
+        done = cp.zeros(n_rows, dtype=cp.uint32)
+    code = _DTYPE_CODES[rows.dtype.name]
+    name = f"topk_{rows.dtype.name}_{'largest' if largest else 'smallest'}"
+    kernel = get_kernel("topk", name, MAX_DYNAMIC_SMEM, (f"HS_TOPK_DTYPE={code}",))
+    smem = p.cap * (np.dtype(key_dtype).itemsize + 4)
+    u32 = np.uint32
     kernel(
-        (grid,), (threads,),
-        (bits, np.int64(n), np.int64(seg_len), np.int32(segs), np.int32(n_segments), np.int32(k),
-         np.uint64(spec.all_ones), np.uint64(spec.sign), np.uint64(spec.exp_mask), np.uint64(spec.mant_mask),
-         np.int32(spec.is_float), np.int32(not largest), buf_key, buf_idx, np.int32(cap), out_key, out_idx,
-         np.int32(sort_mode), final_idx, final_val, np.int64(width)),
+        (n_rows * p.chunks,), (THREADS,),
+        (bits, u32(n), u32(k), u32(p.chunks), u32(p.cap), u32(p.sample_m), u32(p.sample_r), u32(p.k_pad),
+         np.int32(by_key), ws_key, ws_idx, ws_meta, done, out_idx, out_val),
         shared_mem=smem,
     )
-    return final_idx, final_val.view(rows.dtype)
-
-
-def _order_large(cp, indices, values, largest: bool, sort_output: bool):
-    """Order a selection the kernel left unsorted (k > SORT_CAP)."""
-    by_index = cp.argsort(indices, axis=1)
-    indices = cp.take_along_axis(indices, by_index, axis=1)
-    values = cp.take_along_axis(values, by_index, axis=1)
-    if not sort_output:
-        return values, indices
-    keys = sortable_keys(values, largest, xp=cp)
-    order = gpu_sort.order_by_keys(cp, keys, key_spec(values.dtype).width)
-    return cp.take_along_axis(values, order, axis=1), cp.take_along_axis(indices, order, axis=1)
+    return out_val.view(rows.dtype), out_idx
 
 
 def topk_rows(rows, k: int, largest: bool, sort_output: bool):
@@ -98,19 +122,10 @@ def topk_rows(rows, k: int, largest: bool, sort_output: bool):
     n_rows, n = rows.shape
     if k == 0 or n_rows == 0:
         return cp.empty((n_rows, k), dtype=rows.dtype), cp.empty((n_rows, k), dtype=cp.int64)
-    if k == n:
-        if sort_output:
-            return gpu_sort.topk_rows(cp, rows, k, largest, sort_output)
+    if k == n and not sort_output:
         indices = cp.ascontiguousarray(cp.broadcast_to(cp.arange(n, dtype=cp.int64), (n_rows, n)))
         return rows.copy(), indices
-    if k > SORT_CAP:
-        indices, values = _select(cp, rows, k, largest, UNSORTED, 1)
-        return _order_large(cp, indices, values, largest, sort_output)
-    sort_mode = BY_KEY if sort_output else BY_INDEX
-    segs = _segments(n_rows, n, k, rows.dtype.itemsize)
-    if segs == 1:
-        indices, values = _select(cp, rows, k, largest, sort_mode, 1)
-        return values, indices
-    cand_idx, cand_val = _select(cp, rows, k, largest, BY_INDEX, segs)
-    positions, values = _select(cp, cand_val, k, largest, sort_mode, 1)
-    return values, cp.take_along_axis(cand_idx, positions, axis=1)
+    if k == n or k > SORT_CAP or n >= 1 << 31:
+        return gpu_sort.topk_rows(cp, rows, k, largest, sort_output)
+    p = plan(n_rows, n, k, rows.dtype.itemsize, multiprocessor_count(cp.cuda.Device().id))
+    return _launch(cp, rows, k, largest, sort_output, p)
