@@ -82,16 +82,9 @@ class AllGather:
         """dtable [N, ...] (this rank's gradient at every row) -> [n_local, ...]."""
         s = self.shard
         if self.global_order:
-            dtable = dtable[_rank_major_order(s)]
+            dtable = dtable[s.device("rank_major_order")]
         recv = s.transport.alltoallv(dtable, s.counts, [s.n_local] * s.size)
         return sum_in_rank_order(recv.reshape((s.size, s.n_local) + tuple(recv.shape[1:])), dtable.dtype)
-
-
-def _rank_major_order(shard: Shard) -> Any:
-    """Global positions in rank-major order (device array, cached)."""
-    if "rank_major_order" not in shard._on_device:
-        shard._on_device["rank_major_order"] = shard.xp.asarray(np.concatenate(shard.layout.positions))
-    return shard._on_device["rank_major_order"]
 
 
 class Fetch:
@@ -113,8 +106,7 @@ class Fetch:
         self.ids, self.wanted = ids, ids[order].astype(np.int32)
         self.slot = xp.empty_like(order)
         self.slot[order] = xp.arange(order.shape[0])
-        want = xp.bincount(owners, minlength=s.size)
-        self.want = np.asarray(want if xp is np else want.get(), dtype=np.int64)
+        self.want = np.bincount(owners if xp is np else owners.get(), minlength=s.size).astype(np.int64)
         self.serve = s.transport.exchange_counts(self.want)
         served = s.transport.alltoallv(self.wanted, self.want, self.serve)
         self.serve_rows = s.device("local_index")[served.astype(np.int64)]
@@ -128,7 +120,7 @@ class Fetch:
         xp = self.shard.xp
         if self.ids.size == 0:
             return indices
-        pos = xp.searchsorted(self.ids, xp.maximum(indices, 0))
+        pos = xp.searchsorted(self.ids, xp.maximum(indices, 0).astype(np.int64))
         return xp.where(indices >= 0, self.slot[xp.minimum(pos, self.ids.size - 1)], -1).astype(np.int32)
 
     def to_owners(self, dtable: Any) -> Any:

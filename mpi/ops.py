@@ -13,14 +13,15 @@ Exactness:
   ``align=QUERY_ALIGN``, the :func:`make_shard` default), because BLAS
   results depend on the block's shape.
 - :func:`sharded_sparse_attention` gives each query its selected kv rows in
-  the same slot order, so out, lse and probs are bitwise identical to one
-  process (the backends compute every query row independently), and so is dq.
+  the same slot order, so on the CPU backend (every query row computed on
+  its own) out, lse, probs and dq are bitwise one process's; the GPU
+  backend's batched products may round differently per batch.
 - dkv: each rank's contribution is ``hs.sparse_attention_backward``'s
   deterministic per-key sum over its own queries; the owner adds the P
   contributions in float64 in rank order and rounds once. Deterministic,
   identical for both exchanges; against one process (one compensated sum
-  over all queries) it differs by the rounding of P partial sums: within
-  (P + 1) units in the last place of the largest partial sum per element.
+  over all queries) it differs by the rounding of the P partial sums
+  (tests: max |difference| <= (P + 1) * 2e-7 * max |dkv| in float32).
 """
 from __future__ import annotations
 

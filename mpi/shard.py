@@ -25,6 +25,8 @@ class Shard:
     positions   int64 [n_local]  the global positions this rank holds, ascending
                                  (its rows of every sharded array, in this order).
     owner, local_index, rank_major : int64 [n] maps of the layout (see Layout).
+    rank_major_order : int64 [n]     the global positions in rank-major order
+                                     (rank_major's inverse).
     xp          numpy or cupy: the array module of the sharded arrays.
     """
 
@@ -39,6 +41,7 @@ class Shard:
         self.positions = layout.positions[self.rank]
         self.counts = layout.counts
         self.owner, self.local_index, self.rank_major = layout.owner(), layout.local_index(), layout.rank_major()
+        self.rank_major_order = np.concatenate(layout.positions).astype(np.int64)
         self._on_device: dict[str, Any] = {}
 
     @property
@@ -47,7 +50,7 @@ class Shard:
 
     def device(self, name: str) -> Any:
         """One of the int64 maps (``owner``, ``local_index``, ``rank_major``,
-        ``positions``) as an ``xp`` array, copied to the device once."""
+        ``rank_major_order``, ``positions``) as an ``xp`` array, copied to the device once."""
         if name not in self._on_device:
             self._on_device[name] = self.xp.asarray(getattr(self, name))
         return self._on_device[name]
