@@ -1,10 +1,12 @@
 """Engine primitives: every gradient by name against finite differences (float64)."""
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 
-from hyscale_core.engine import ops
+from hyscale_core.engine import attention, ops
 from hyscale_core.engine.optim import AdamW
 from hyscale_core.engine.tensor import Function, Tensor, backward, no_grad
 
@@ -87,7 +89,23 @@ def test_gradients_accumulate_and_saved_state_is_freed():
     ctx = y.ctx
     backward(z, np.ones(4))
     np.testing.assert_allclose(x.grad, 2 * x.data + 1)
-    assert ctx.saved == () and y.ctx is None
+    assert ctx.saved == () and ctx.parents == () and ctx.spent
+    with pytest.raises(RuntimeError, match="a second time"):
+        backward(z, np.ones(4))
+
+
+def test_the_tape_keeps_only_what_functions_save():
+    """An intermediate no Function saved is freed when the caller drops it."""
+    rng = np.random.default_rng(6)
+    x = leaf(rng, 1000, name="x")
+    y = ops.Add.apply(x, x)  # Add saves nothing
+    z = ops.SiLU.apply(ops.Add.apply(y, x))  # SiLU saves its own input, not y
+    y_data = weakref.ref(y.data)
+    del y
+    assert y_data() is None
+    backward(z, np.ones(1000))
+    sig = 1 / (1 + np.exp(-3 * x.data))
+    np.testing.assert_allclose(x.grad, 3 * (sig * (1 + 3 * x.data * (1 - sig))))
 
 
 def test_needs_input_grad_is_honoured():
@@ -126,3 +144,81 @@ def test_adamw_clips_decays_and_descends():
     assert norm < 1.0 and np.abs(p.data).max() < 0.05
     with pytest.raises(ValueError, match="bad AdamW settings"):
         AdamW([p], lr=-1)
+
+
+def test_adamw_clips_the_global_norm_before_the_moments():
+    a = Tensor(np.array([3.0, -4.0]), requires_grad=True)
+    b = Tensor(np.array([12.0]), requires_grad=True)
+    opt = AdamW([a, b], lr=0.1, betas=(0.5, 0.75), weight_decay=0.5, max_grad_norm=6.5)
+    a.grad, b.grad = np.array([30.0, -40.0]), np.array([120.0])  # global norm 130: scaled by 1/20
+    start = a.data.copy()
+    assert opt.step() == pytest.approx(130.0)
+    np.testing.assert_allclose(opt.m[0], 0.5 * np.array([1.5, -2.0]))
+    np.testing.assert_allclose(opt.v[1], 0.25 * np.array([6.0]) ** 2)
+    # first step: bias-corrected m / sqrt(v) is the sign; the decay is decoupled
+    np.testing.assert_allclose(a.data, start * (1 - 0.1 * 0.5) - 0.1 * np.sign([30.0, -40.0]), rtol=1e-7)
+    assert a.grad is None and b.grad is None
+    a.grad = np.array([0.3, 0.4])  # norm 0.5 < 6.5: not scaled
+    opt.step()
+    np.testing.assert_allclose(opt.m[0], 0.5 * 0.5 * np.array([1.5, -2.0]) + 0.5 * np.array([0.3, 0.4]))
+
+
+def test_swiglu_gradients():
+    rng = np.random.default_rng(7)
+    x, w1, w3, w2 = leaf(rng, 3, 4, name="x"), leaf(rng, 4, 6, name="w1"), leaf(rng, 4, 6, name="w3"), \
+        leaf(rng, 6, 4, name="w2")
+    check_gradients(lambda: ops.swiglu(x, w1, w3, w2), [x, w1, w3, w2])
+    h = x.data @ w1.data
+    np.testing.assert_allclose(ops.swiglu(x, w1, w3, w2).data, (h / (1 + np.exp(-h)) * (x.data @ w3.data)) @ w2.data)
+
+
+def test_rope_tail_take_rows_reshape_gradients():
+    rng = np.random.default_rng(8)
+    x = leaf(rng, 5, 2, 7, name="x")
+    cos, sin = (ops.constant(t.astype(np.float64)) for t in ops.rope_tables(np, np.arange(5), 4))
+    rows = ops.constant(np.array([4, 0, 2]))
+    check_gradients(lambda: ops.TakeRows.apply(ops.Reshape.apply(ops.RoPETail.apply(x, cos, sin), shape=(5, 14)),
+                                               rows), [x])
+    y = ops.RoPETail.apply(x, cos, sin).data
+    np.testing.assert_array_equal(y[..., :3], x.data[..., :3])  # only the last 4 columns rotate
+
+
+def test_attention_functions_gradients():
+    """SparseAttention, IndexerScoresAt and IndexerKL against finite differences (float64 inputs)."""
+    rng = np.random.default_rng(9)
+    n, heads, d_qk, d_v, ih, idim = 6, 2, 5, 3, 2, 4
+    indices = ops.constant(np.array([[0, -1, -1], [1, 0, -1], [2, 0, 1], [3, 1, 2], [2, 4, 3], [5, 0, 4]],
+                                    dtype=np.int32))
+    q, kv = leaf(rng, n, heads, d_qk, name="q"), leaf(rng, n, d_qk, name="kv")
+    check_gradients(lambda: attention.SparseAttention.apply(q, kv, indices, d_v=d_v), [q, kv])
+    iq, ik, iw = leaf(rng, n, ih, idim, name="iq"), leaf(rng, n, idim, name="ik"), leaf(rng, n, ih, name="iw")
+    at = attention.IndexerScoresAt.apply(iq, ik, iw, indices).data
+    mask = np.isfinite(at)
+
+    class Finite(Function):  # -inf at -1 slots -> 0, so the probe sum stays finite
+        def forward(self, x):
+            return np.where(mask, x, 0.0)
+
+        def backward(self, g):
+            return (np.where(mask, g, 0.0),)
+
+    # scores_at is float32 by contract: wider steps, looser match
+    check_gradients(lambda: Finite.apply(attention.IndexerScoresAt.apply(iq, ik, iw, indices)), [iq, ik, iw],
+                    rtol=2e-3, eps=1e-3)
+    probs = ops.constant(attention.SparseAttention.apply(q, kv, indices, d_v=d_v).aux["probs"].astype(np.float64))
+    scores = Tensor(np.where(mask, rng.standard_normal(at.shape), -np.inf), requires_grad=True, name="scores_at")
+    kl = attention.IndexerKL.apply(scores, probs)
+    backward(kl)
+    analytic, scores.grad = scores.grad, None
+
+    def value():
+        return float(attention.IndexerKL.apply(scores, probs).data)
+
+    for t, i in zip(*np.nonzero(mask)):
+        keep = scores.data[t, i]
+        scores.data[t, i] = keep + 1e-6
+        up = value()
+        scores.data[t, i] = keep - 1e-6
+        down = value()
+        scores.data[t, i] = keep
+        assert analytic[t, i] == pytest.approx((up - down) / 2e-6, rel=1e-5, abs=1e-8), f"scores_at[{t}, {i}]"

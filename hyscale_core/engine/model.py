@@ -3,7 +3,7 @@ small language model built from the engine's Functions."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -73,8 +73,14 @@ class DSABlock:
         q = ops.Reshape.apply(ops.MatMul.apply(h_det, p["iq"]), shape=(n, cfg.index_heads, cfg.index_dim))
         return q, ops.MatMul.apply(h_det, p["ik"]), ops.MatMul.apply(h_det, p["iw"])
 
-    def forward(self, x: Tensor, rope: tuple[Any, Any], selector: Any) -> tuple[Tensor, Tensor]:
-        """x [N, d] -> (y [N, d], the block's indexer KL loss, a scalar)."""
+    def forward(self, x: Tensor, rope: tuple[Any, Any], selector: Any, kl_rows: Any = None
+                ) -> tuple[Tensor, Tensor]:
+        """x [N, d] -> (y [N, d], the block's indexer KL loss, a scalar).
+
+        rope: (cos, sin) float32 [N, rope_dim / 2]. kl_rows: int [M], the rows
+        the indexer loss averages over (default all; a task with a loss on a
+        few rows trains the indexer where the attention is trained).
+        """
         cfg, p = self.cfg, self.params
         n = x.shape[0]
         cos, sin = (ops.constant(t) for t in rope)
@@ -87,12 +93,30 @@ class DSABlock:
         attn = SparseAttention.apply(q, kv, indices, d_v=cfg.d_v)
         flat = ops.Reshape.apply(attn, shape=(n, cfg.heads * cfg.d_v))
         x = ops.Add.apply(x, ops.MatMul.apply(flat, p["wo"]))
-        kl = IndexerKL.apply(IndexerScoresAt.apply(iq, ik, iw, indices), ops.constant(attn.aux["probs"]))
-        m = ops.RMSNorm.apply(x, p["mlp_norm"])
-        gate = ops.SiLU.apply(ops.MatMul.apply(m, p["w1"]))
-        up = ops.MatMul.apply(m, p["w3"])
-        y = ops.Add.apply(x, ops.MatMul.apply(ops.Mul.apply(gate, up), p["w2"]))
+        probs = attn.aux["probs"]
+        if kl_rows is not None:
+            rows = ops.constant(kl_rows)
+            iq, iw = ops.TakeRows.apply(iq, rows), ops.TakeRows.apply(iw, rows)
+            indices, probs = ops.constant(indices.data[kl_rows]), probs[kl_rows]
+        kl = IndexerKL.apply(IndexerScoresAt.apply(iq, ik, iw, indices), ops.constant(probs))
+        y = ops.Add.apply(x, ops.swiglu(ops.RMSNorm.apply(x, p["mlp_norm"]), p["w1"], p["w3"], p["w2"]))
         return y, kl
+
+
+class Forward(NamedTuple):
+    """What :meth:`TinyDSA.forward` returns.
+
+    loss   : differentiable scalar Tensor (cross-entropy, plus the indexer
+             losses unless they are seeded inside checkpointed blocks).
+    total  : float, cross-entropy + kl_weight * sum(kls): the value optimised.
+    kls    : per-layer indexer KL losses (floats).
+    logits : float32 [M, vocab] at the loss rows.
+    """
+
+    loss: Tensor
+    total: float
+    kls: list[float]
+    logits: Any
 
 
 class TinyDSA:
@@ -112,24 +136,39 @@ class TinyDSA:
             out += block.parameters()
         return out
 
-    def forward(self, ids: Any, rows: Any, targets: Any, selector: Any, recompute: bool = False
-                ) -> tuple[Tensor, float, list[float]]:
-        """Loss of predicting ``targets`` [M] at positions ``rows`` [M] of the token
-        sequence ``ids`` [N]. Returns (differentiable loss, its value with the
-        indexer losses, the per-layer indexer losses).
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Parameter name -> host copy of its float32 array."""
+        return {p.name: np.array(p.data.get() if hasattr(p.data, "get") else p.data) for p in self.parameters()}
 
-        recompute: checkpoint every block (selections replayed in backward).
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy arrays (by parameter name, same shapes) into the parameters."""
+        for p in self.parameters():
+            if p.name not in state or tuple(state[p.name].shape) != p.shape:
+                got = None if p.name not in state else tuple(state[p.name].shape)
+                raise ValueError(f"state has no parameter {p.name!r} of shape {p.shape} (got {got})")
+            p.data[...] = self.xp.asarray(state[p.name], dtype=p.data.dtype)
+
+    def forward(self, ids: Any, rows: Any, targets: Any, selector: Any, recompute: bool = False,
+                recompute_selector: Any = None, kl_on_loss_rows: bool = False) -> Forward:
+        """Predict ``targets`` [M] (int) at positions ``rows`` [M] (int) of the token
+        sequence ``ids`` [N] (int); the indexer selects with ``selector``.
+
+        recompute: checkpoint every block; their selections are replayed in
+        backward, or made again by ``recompute_selector`` when one is given.
+        kl_on_loss_rows: the indexer losses average over ``rows`` only (see
+        :meth:`DSABlock.forward`).
         """
         xp = self.xp
         rope = ops.rope_tables(xp, xp.arange(ids.shape[0]), self.cfg.rope_dim)
         x = ops.Embedding.apply(self.embed, ops.constant(ids))
         kls: list[Tensor | float] = []
+        kl_rows = rows if kl_on_loss_rows else None
         for block in self.blocks:
             if recompute:
-                x = checkpoint(block, x, rope, selector, self.cfg.kl_weight)
+                x = checkpoint(block, x, rope, selector, self.cfg.kl_weight, recompute_selector, kl_rows)
                 kls.append(float(x.aux["kl"]))
             else:
-                x, kl = block.forward(x, rope, selector)
+                x, kl = block.forward(x, rope, selector, kl_rows)
                 kls.append(kl)
         logits = ops.MatMul.apply(ops.RMSNorm.apply(ops.TakeRows.apply(x, ops.constant(rows)), self.final_norm),
                                   self.head)
@@ -139,4 +178,4 @@ class TinyDSA:
             for kl in kls:
                 loss = ops.Add.apply(loss, ops.Mul.apply(kl, ops.constant(kl.data * 0 + self.cfg.kl_weight)))
         total = float(loss.data) + (self.cfg.kl_weight * sum(kl_values) if recompute else 0.0)
-        return loss, total, kl_values
+        return Forward(loss, total, kl_values, logits.data)

@@ -198,3 +198,8 @@ class TakeRows(Function):
         dx = array_module(g).zeros(shape, dtype=g.dtype)
         dx[rows] = g
         return dx, None
+
+
+def swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    """SwiGLU MLP: (SiLU(x @ w1) * (x @ w3)) @ w2; x [..., d], w1/w3 [d, f], w2 [f, d]."""
+    return MatMul.apply(Mul.apply(SiLU.apply(MatMul.apply(x, w1)), MatMul.apply(x, w3)), w2)

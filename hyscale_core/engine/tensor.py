@@ -64,12 +64,20 @@ class Tensor:
 
 
 class Function:
-    """One differentiable operation. Subclasses define ``forward`` and ``backward``."""
+    """One differentiable operation. Subclasses define ``forward`` and ``backward``.
 
-    def __init__(self, *parents: Tensor) -> None:
-        self.parents = parents
-        self.needs_input_grad = tuple(p.requires_grad for p in parents)
+    ``parents`` are the graph edges of the inputs: the Function that made an
+    input, the input itself when it is a leaf that needs a gradient, or None.
+    They hold no input data, so an intermediate array lives only as long as
+    the caller or a ``save`` keeps it (the tape's memory is what the
+    Functions saved, as in PyTorch's autograd).
+    """
+
+    def __init__(self, *inputs: Tensor) -> None:
+        self.parents: tuple = tuple(_edge(t) for t in inputs)
+        self.needs_input_grad = tuple(t.requires_grad for t in inputs)
         self.saved: tuple = ()
+        self.spent = False
 
     def save(self, *arrays: Any) -> None:
         self.saved = arrays
@@ -94,13 +102,29 @@ class Function:
         tensor.aux = aux
         if tensor.requires_grad:
             tensor.ctx = ctx
+        else:
+            ctx.saved = ctx.parents = ()
         return tensor
 
 
-def _topological(roots: list[Tensor]) -> list[Tensor]:
-    order: list[Tensor] = []
+def _edge(t: Tensor) -> Any:
+    if t.ctx is not None:
+        return t.ctx
+    return t if t.requires_grad else None
+
+
+def _node(root: Tensor) -> Any:
+    """The graph node a root's gradient enters: its Function, or itself (a leaf)."""
+    if not root.requires_grad:
+        raise ValueError("backward() called on a Tensor that does not require a gradient")
+    return root.ctx if root.ctx is not None else root
+
+
+def _topological(roots: list[Any]) -> list[Any]:
+    """Nodes (Functions and leaf Tensors) reachable from ``roots``, each after its parents."""
+    order: list[Any] = []
     seen: set[int] = set()
-    stack: list[tuple[Tensor, bool]] = [(r, False) for r in reversed(roots)]
+    stack: list[tuple[Any, bool]] = [(r, False) for r in reversed(roots)]
     while stack:
         node, expanded = stack.pop()
         if expanded:
@@ -110,9 +134,9 @@ def _topological(roots: list[Tensor]) -> list[Tensor]:
             continue
         seen.add(id(node))
         stack.append((node, True))
-        if node.ctx is not None:
-            for parent in reversed(node.ctx.parents):
-                if parent.requires_grad and id(parent) not in seen:
+        if isinstance(node, Function):
+            for parent in reversed(node.parents):
+                if parent is not None and id(parent) not in seen:
                     stack.append((parent, False))
     return order
 
@@ -129,33 +153,36 @@ def backward(root: Tensor, grad: Any = None) -> None:
 def backward_many(seeds: list[tuple[Tensor, Any]]) -> None:
     """:func:`backward` from several roots at once, each with its own seed gradient."""
     grads: dict[int, Any] = {}
+    roots = []
     for root, grad in seeds:
-        if not root.requires_grad:
-            raise ValueError("backward() called on a Tensor that does not require a gradient")
+        node = _node(root)
         if grad is None:
             if root.data.size != 1:
                 raise ValueError(f"backward() needs grad for a non-scalar root of shape {root.shape}")
             grad = root.data * 0 + 1
-        grads[id(root)] = grad if id(root) not in grads else grads[id(root)] + grad
-    for node in reversed(_topological([root for root, _ in seeds])):
+        grads[id(node)] = grad if id(node) not in grads else grads[id(node)] + grad
+        roots.append(node)
+    for node in reversed(_topological(roots)):
         g = grads.pop(id(node), None)
         if g is None:
             continue
-        if node.ctx is None:
+        if isinstance(node, Tensor):
             node.grad = g if node.grad is None else node.grad + g
-            continue
-        _run_backward(node, g, grads)
+        elif node.spent:
+            raise RuntimeError(f"backward through {type(node).__name__} a second time: its saved state "
+                               "was freed by the first backward")
+        else:
+            _run_backward(node, g, grads)
 
 
-def _run_backward(node: Tensor, g: Any, grads: dict[int, Any]) -> None:
-    ctx = node.ctx
+def _run_backward(ctx: Function, g: Any, grads: dict[int, Any]) -> None:
     parent_grads = ctx.backward(g)
     if len(parent_grads) != len(ctx.parents):
         raise RuntimeError(f"{type(ctx).__name__}.backward returned {len(parent_grads)} gradients "
                            f"for {len(ctx.parents)} inputs")
     for parent, pg, needs in zip(ctx.parents, parent_grads, ctx.needs_input_grad):
-        if needs and pg is not None:
+        if needs and pg is not None and parent is not None:
             key = id(parent)
             grads[key] = pg if key not in grads else grads[key] + pg
-    ctx.saved = ()
-    node.ctx = None
+    ctx.saved = ctx.parents = ()
+    ctx.spent = True
