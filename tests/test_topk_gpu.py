@@ -42,10 +42,13 @@ def adversarial(kind: str, shape, dtype, rng):
     return awkward_array(rng, shape, dtype)
 
 
-# (rows, n, k) covering: one segment per row, segmented long rows, k above the
-# in-kernel sort, k = n, n not a multiple of the vector width, tiny rows.
-SHAPES = [(64, 1000, 100), (3, 300_001, 2048), (1, 1 << 20, 4096), (5, 20_000, 5000),
-          (300, 7, 7), (17, 333, 1), (2, 65_536, 65_535), (1000, 2048, 256)]
+# (rows, n, k) covering: short rows kept whole (n <= 8192), sampled rows with
+# one block per row, rows cut into chunks (few long rows), k = 1, k = n - 1,
+# k = n, k above the in-kernel sort (sort path), lengths 1, 7, 63, 300, odd
+# lengths (rows start off the 16-byte grid).
+SHAPES = [(64, 1000, 100), (3, 300_001, 2048), (1, 1 << 20, 4096), (5, 20_000, 5000), (300, 7, 7),
+          (17, 333, 1), (2, 65_536, 65_535), (1000, 2048, 256), (9, 1, 1), (11, 63, 20), (4, 300, 299),
+          (200, 9001, 4096), (2, 200_003, 1)]
 
 
 @pytest.mark.parametrize("dtype", topk_dtype_params())
@@ -66,20 +69,57 @@ def test_adversarial_rows_match_cpu(kind, dtype, rows, n, k):
     check_gpu_equals_cpu(a, k, sort_output=False)
 
 
+@pytest.mark.parametrize("rank", ["too_high", "too_low"])
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16, np.float64], ids=["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("rows, n, k", [(4, 40_000, 2048), (1, 300_001, 1000)])
+def test_threshold_misses_fall_back_exactly(monkeypatch, rank, dtype, rows, n, k):
+    """A sampled threshold above the k-th key, or one leaving more keys above it
+    than the buffer holds, sends the row through the radix-select fallback."""
+    from hyscale_core.ops.topk import gpu
+
+    monkeypatch.setattr(gpu, "sample_rank", (lambda m, k, n: 1) if rank == "too_high" else (lambda m, k, n: m))
+    a = np.random.default_rng(n).standard_normal((rows, n)).astype(dtype)
+    check_gpu_equals_cpu(a, k)
+    check_gpu_equals_cpu(a, k, largest=False, sort_output=False)
+
+
+@pytest.mark.parametrize("n", [300, 50_000])
+def test_special_values_keep_their_bits(n):
+    """NaN payloads of both signs, +-inf and +-0.0: NaN above +inf, -0.0 == +0.0
+    (lower index first), and every value returned with its own bits."""
+    rng = np.random.default_rng(n)
+    specials = np.array([0x7FC00000, 0xFFC00001, 0x7F800001, 0xFFFFFFFF, 0x7F800000, 0xFF800000, 0x00000000,
+                         0x80000000, 0x3F800000, 0xBF800000], dtype=np.uint32)
+    a = specials[rng.integers(0, len(specials), size=(6, n))].view(np.float32)
+    for k in (1, 17, n // 3, n - 1):
+        check_gpu_equals_cpu(a, k)
+        check_gpu_equals_cpu(a, k, largest=False)
+        check_gpu_equals_cpu(a, k, sort_output=False)
+
+
+def test_k_zero_gives_empty_results():
+    import cupy
+
+    values, indices = hs.topk(cupy.ones((3, 10), dtype=cupy.float32), 0)
+    assert values.shape == indices.shape == (3, 0) and indices.dtype == np.int64
+
+
 def test_row_of_two_to_the_24():
     rng = np.random.default_rng(1)
     a = rng.standard_normal((1, 1 << 24)).astype(np.float32)
     check_gpu_equals_cpu(a, 2048)
+    check_gpu_equals_cpu(a, 100, largest=False, sort_output=False)
 
 
 def test_repeated_runs_are_bitwise_identical():
     import cupy
 
-    a = cupy.asarray(adversarial("few_distinct", (512, 40_000), np.float32, np.random.default_rng(2)))
-    first_values, first_indices = hs.topk(a, 2048)
-    for _ in range(5):
-        values, indices = hs.topk(a, 2048)
-        assert same_bits(values, first_values) and same_bits(indices, first_indices)
+    for shape in [(512, 40_000), (2, 1 << 20)]:
+        a = cupy.asarray(adversarial("few_distinct", shape, np.float32, np.random.default_rng(2)))
+        first_values, first_indices = hs.topk(a, 2048)
+        for _ in range(5):
+            values, indices = hs.topk(a, 2048)
+            assert same_bits(values, first_values) and same_bits(indices, first_indices)
 
 
 def test_bfloat16_through_dlpack_from_torch():

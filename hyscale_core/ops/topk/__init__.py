@@ -57,9 +57,11 @@ def topk(a: Any, k: int, axis: int = -1, *, largest: bool = True, sorted: bool =
     sort_output = _check_flag(sorted, "sorted")
 
     xp = xp_for(backend)
-    moved = xp.moveaxis(a, axis, -1)
+    moved = a if axis == a.ndim - 1 else xp.moveaxis(a, axis, -1)
     lead = moved.shape[:-1]
-    rows = xp.ascontiguousarray(moved).reshape(math.prod(lead), n)
+    rows = xp.ascontiguousarray(moved)
+    if rows.ndim != 2:
+        rows = rows.reshape(math.prod(lead), n)
     if backend == CPU:
         from . import cpu
 
@@ -68,6 +70,8 @@ def topk(a: Any, k: int, axis: int = -1, *, largest: bool = True, sorted: bool =
         from . import gpu
 
         values, indices = gpu.topk_rows(rows, k, largest, sort_output)
-    values = xp.moveaxis(values.reshape(lead + (k,)), -1, axis)
-    indices = xp.moveaxis(indices.reshape(lead + (k,)), -1, axis)
+    if values.shape[:-1] != lead:
+        values, indices = values.reshape(lead + (k,)), indices.reshape(lead + (k,))
+    if axis != a.ndim - 1:
+        values, indices = xp.moveaxis(values, -1, axis), xp.moveaxis(indices, -1, axis)
     return values, indices
