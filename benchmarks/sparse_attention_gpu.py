@@ -11,10 +11,13 @@ and out at the copy bandwidth, both rates measured in the same run.
 Rows: "hs fwd" is the kernel forward without probs (the backend call with
 want_probs=False, so without the public call's argument checks); "hs
 fwd+probs" the public call with return_probs=True (a second pass recomputes
-the logits once lse is known); "hs bwd" the public backward. torch runs chunked over queries (the gathered [C, k, 576] block
-bounds memory); "torch bwd" is its forward + autograd backward minus its
-forward. Indices: for query t, k keys drawn uniformly (with replacement)
-from [0, max(t + 1, k)): causal after the first k rows, no -1 slots.
+the logits once lse is known); "hs bwd" the public backward. With
+--breakdown, "hs bwd phase: ..." rows estimate each of the backward's three
+phases (its first query chunk timed, times the chunk count). torch runs
+chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
+bwd" is its forward + autograd backward minus its forward. Indices: for
+query t, k keys drawn uniformly (with replacement) from [0, max(t + 1, k)):
+causal after the first k rows, no -1 slots.
 """
 from __future__ import annotations
 
@@ -76,6 +79,27 @@ def torch_forward_backward(torch, q, kv, idx, dout, scale, chunk):
         out.backward(dout[t0:t0 + chunk])
 
 
+def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
+    """ms of the backward's three phases on its first query chunk, times the
+    number of chunks: {phase: (ms, chunk queries)}."""
+    from hyscale_core.ops.sparse_attention import gpu
+
+    n, h, _ = q.shape
+    groups = -(-h // gpu.HEADS_PER_CTA)
+    defines, out16, dout16, lse32 = gpu.backward_operands(q, kv, out, lse, dout, D_V, scale)
+    c = next(gpu.query_chunks(n, groups * idx.shape[1]))[1]
+    part = slice(0, c)
+    dq = cp.empty(q[part].shape, dtype=cp.uint16)
+    dkv = cp.zeros(kv.shape, dtype=cp.float32)
+    operands = (q[part], kv, idx[part], out16[part], dout16[part], lse32[part], dq, scale, defines)
+    images = gpu.dq_and_images(*operands)
+    rows = gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines)
+    phases = {"dq kernel": lambda i: gpu.dq_and_images(*operands),
+              "dkv rows kernel": lambda i: gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines),
+              "sort + per-key sums": lambda i: gpu.add_rows_by_key(idx[part], rows, groups, dkv, defines)}
+    return {name: (time_gpu(fn, repeats=repeats, warmup=1) * n / c, c) for name, fn in phases.items()}
+
+
 def run_config(args, cp, torch, hs, n, h, rates):
     from hyscale_core.ops.sparse_attention import gpu
 
@@ -108,6 +132,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
         print(f"  N={n} h={h}: {name:14s} {times[name]:10.2f} ms", flush=True)
     if "torch fwd+bwd" in times:
         times["torch bwd"] = times.pop("torch fwd+bwd") - times["torch fwd"]
+    phases = backward_phases(cp, q, kv, idx, out, lse, dout, scale, args.repeats) if args.breakdown else {}
     config = {"n": n, "h": h, "d_qk": D_QK, "d_v": D_V, "k": k, "dtype": "bfloat16"}
     rows = []
     for name, ms in times.items():
@@ -118,6 +143,10 @@ def run_config(args, cp, torch, hs, n, h, rates):
                      "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "floor_ms": round(floors[kind], 3),
                      "x_floor": round(ms / floors[kind], 2),
                      "x_torch": round(peer / ms, 2) if peer and name.startswith("hs") else None, **check})
+    for name, (ms, chunk) in phases.items():
+        rows.append({"bench": "sparse_attention_gpu", "config": config, "impl": f"hs bwd phase: {name}",
+                     "median_ms": round(ms, 3), "share_of_bwd": round(ms / times["hs bwd"], 3),
+                     "estimate": f"first chunk of {chunk} queries x {n / chunk:.2f}"})
     del q, kv, dout, idx, out, lse, tq, tkv, tdout, tidx
     cp.get_default_memory_pool().free_all_blocks()
     torch.cuda.empty_cache()
@@ -137,6 +166,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk", type=int, default=128, help="query chunk of the torch peer")
     parser.add_argument("--max-peer-n", type=int, default=131072, help="the torch peer runs up to this N")
+    parser.add_argument("--breakdown", action="store_true", help="also time the backward's phases")
     parser.add_argument("--out", default=None, help="folder of the results JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
     rates = {"flops": matmul_rate_tflops(torch) * 1e12, "bytes": copy_bandwidth_gbs() * 1e9}
@@ -151,7 +181,8 @@ def main(argv=None) -> None:
         r["copy_gbs"] = round(rates["bytes"] / 1e9, 1)
     path = write_results("sparse_attention_gpu", gpu_device(), rows, Path(args.out) if args.out else None)
     short = [{"N": r["config"]["n"], "h": r["config"]["h"], "impl": r["impl"], "ms": r["median_ms"],
-              "TFLOP/s": r["tflops"], "x_floor": r["x_floor"], "x_torch": r["x_torch"] or ""} for r in rows]
+              "TFLOP/s": r.get("tflops", ""), "x_floor": r.get("x_floor", ""), "x_torch": r.get("x_torch") or ""}
+             for r in rows]
     print(table(short, ["N", "h", "impl", "ms", "TFLOP/s", "x_floor", "x_torch"]))
     print(f"wrote {path}")
 

@@ -108,16 +108,37 @@ __device__ __forceinline__ void stage_heads(unsigned char* tile, const u16* x, i
     stage_row<WIDTH>(tile, x + ((size_t)t * h + (valid ? head : 0)) * WIDTH, valid);
 }
 
-// Gather the kv rows of slots b*BK .. b*BK+63 of query t and record the
-// slots' keys in idx (-1 for skipped slots and slots past k, whose rows are
-// zeros). Returns whether this thread's slot (threadIdx.x / 4) is valid.
-__device__ __forceinline__ int stage_keys(unsigned char* tile, int* idx, const u16* kv, const int* indices, int t,
-                                          int k, int b) {
-    const int r = threadIdx.x >> 2, slot = b * BK + r;
-    const int s = slot < k ? indices[(size_t)t * k + slot] : -1;
-    stage_row<D>(tile, kv + (size_t)(s >= 0 ? s : 0) * D, s >= 0);
-    if ((threadIdx.x & 3) == 0) idx[r] = s;
-    return s >= 0;
+// The key of this thread's slot, b*BK + threadIdx.x / 4, of query t: -1 when
+// skipped or past k. Loops load it a block ahead of its use.
+__device__ __forceinline__ int slot_key(const int* indices, int t, int k, int b) {
+    const int slot = b * BK + (threadIdx.x >> 2);
+    return slot < k ? indices[(size_t)t * k + slot] : -1;
+}
+
+// This thread's share of gathering kv row s (zeros when s < 0) into row
+// threadIdx.x / 4 of a key tile: 16-byte chunks threadIdx.x % 4 + 4 i for
+// i in [FIRST, LAST) (i < 8 covers features 0..255, the first 4 regions).
+template <int FIRST, int LAST>
+__device__ __forceinline__ void stage_key_row(unsigned char* tile, const u16* kv, int s) {
+    const int r = threadIdx.x >> 2;
+    const u16* src = kv + (size_t)(s >= 0 ? s : 0) * D;
+    #pragma unroll
+    for (int i = FIRST; i < LAST; ++i) {
+        const int c = (threadIdx.x & 3) + 4 * i;
+        cp_async16(tile + swizzled_offset(r, c, 64), src + c * 8, s >= 0);
+    }
+}
+
+__device__ __forceinline__ void record_key(int* idx, int s) {
+    if ((threadIdx.x & 3) == 0) idx[threadIdx.x >> 2] = s;
+}
+
+// Pull kv row s into L2 ahead of its gather (this thread's 128-byte lines of it); nothing when s < 0.
+__device__ __forceinline__ void prefetch_key_row(const u16* kv, int s) {
+    if (s < 0) return;
+    const char* row = reinterpret_cast<const char*>(kv + (size_t)s * D);
+    for (int line = threadIdx.x & 3; line * 128 < D * 2; line += 4)
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + line * 128));
 }
 
 template <int N>
@@ -137,12 +158,14 @@ __device__ __forceinline__ void zero(float (&d)[N]) {
     for (int i = 0; i < N; ++i) d[i] = 0.f;
 }
 
-// acc[64 x 32] = a[64 x 16 KSTEPS] b^T: a the rows of a 64-row tile, b 32
-// rows of a 64-row tile (both K-major). Issue only; the caller fences and waits.
-template <int KSTEPS>
+// acc[64 x 32] (+)= a b^T over k-steps FIRST .. LAST-1 (16 features each): a
+// the rows of a 64-row tile, b 32 rows of a 64-row tile (both K-major); k-step
+// 0 overwrites acc. Issue only; the caller fences and waits.
+template <int FIRST, int LAST>
 __device__ __forceinline__ void issue_rows32(float (&acc)[16], const unsigned char* a, const unsigned char* b) {
     #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) sa_mma_n32<0, 0>(acc, wgmma_desc_k(a, kk, 64), wgmma_desc_k(b, kk, 64), kk > 0);
+    for (int kk = FIRST; kk < LAST; ++kk)
+        sa_mma_n32<0, 0>(acc, wgmma_desc_k(a, kk, 64), wgmma_desc_k(b, kk, 64), kk > 0);
 }
 
 // ---------------------------------------------------------------- forward
@@ -153,24 +176,32 @@ struct FwdShared {
 };
 
 // Walk the key blocks of query t, gathering block b + 1 while `body(b, tile,
-// idx)` works on block b; the body may use any barrier. With skip_empty,
-// blocks without a valid slot are passed over. All threads must call this.
+// idx)` works on block b. The body may use any barrier and must have waited
+// for its own reads of the tile (wgmma) before it returns: block b + 1 then
+// reuses block b - 1's buffers once every thread is past the next block's
+// barrier. With skip_empty, blocks without a valid slot are passed over.
+// All threads must call this.
 template <typename Body>
-__device__ __forceinline__ void for_each_key_block(unsigned char* kv_tiles, FwdShared& sh, const u16* kv, const int* indices, int t,
-                                   int k, bool skip_empty, Body&& body) {
+__device__ __forceinline__ void for_each_key_block(unsigned char* kv_tiles, FwdShared& sh, const u16* kv,
+                                                   const int* indices, int t, int k, bool skip_empty, Body&& body) {
     const int nb = (k + BK - 1) / BK;
-    int valid_next = nb > 0 ? stage_keys(kv_tiles, sh.idx[0], kv, indices, t, k, 0) : 0;
+    int s_cur = slot_key(indices, t, k, 0), s_next = slot_key(indices, t, k, 1);
+    stage_key_row<0, D / 32>(kv_tiles, kv, s_cur);
+    record_key(sh.idx[0], s_cur);
     cp_async_commit();
     for (int b = 0; b < nb; ++b) {
-        const int valid = valid_next;
-        if (b + 1 < nb)
-            valid_next = stage_keys(kv_tiles + ((b + 1) & 1) * KV_BYTES, sh.idx[(b + 1) & 1], kv, indices, t, k, b + 1);
-        cp_async_commit();
-        cp_async_wait<1>();
+        cp_async_wait<0>();
         fence_proxy_async();
-        if (!__syncthreads_or(valid) && skip_empty) continue;
+        const int any = __syncthreads_or(s_cur >= 0);  // block b landed; block b - 1 done everywhere
+        if (b + 1 < nb) {
+            stage_key_row<0, D / 32>(kv_tiles + ((b + 1) & 1) * KV_BYTES, kv, s_next);
+            record_key(sh.idx[(b + 1) & 1], s_next);
+        }
+        cp_async_commit();
+        s_cur = s_next;
+        s_next = slot_key(indices, t, k, b + 2);
+        if (!any && skip_empty) continue;
         body(b, kv_tiles + (b & 1) * KV_BYTES, sh.idx[b & 1]);
-        __syncthreads();  // block b's tile and indices are free for block b + 2
     }
     cp_async_wait<0>();
 }
@@ -181,7 +212,7 @@ __device__ __forceinline__ void block_logits(float (&s)[16], const unsigned char
                                              const int* idx, const Lane& ln, float sl2) {
     zero(s);
     mma_begin(s);
-    issue_rows32<D / 16>(s, q_tile, tile + ln.w * 32 * 128);
+    issue_rows32<0, D / 16>(s, q_tile, tile + ln.w * 32 * 128);
     mma_end();
     wgmma_fence_operands(s);
     #pragma unroll
@@ -354,7 +385,7 @@ __device__ __forceinline__ float dot_halves(uint4 a, uint4 b) {
 }
 
 // delta = rowsum(dout * out) and lse in base 2 for the CTA's 64 head rows
-// (0 for heads past h); 4 threads per row, summed in a fixed order.
+// (0 and -inf for heads past h); 4 threads per row, summed in a fixed order.
 __device__ __forceinline__ void row_stats(BwdShared& sh, const u16* out, const u16* dout, const float* lse, int t, int g, int h) {
     const int r = threadIdx.x >> 2, head = g * BH + r;
     float acc = 0.f;
@@ -401,8 +432,8 @@ __device__ __forceinline__ void write_ds(const float (&s)[16], const float (&dp)
 // dq (+)= ds kv for this warpgroup's columns 256 w .. 256 w + 255, and for
 // columns 512..575 in rope. Both warpgroups compute rope (only warpgroup 0
 // stores it): the two then run one instruction stream, which ptxas keeps
-// pipelined (a wgmma under a warpgroup branch serializes them all), and the
-// duplicate costs no time, warpgroup 0 being the longer one.
+// pipelined (a wgmma under a warpgroup branch serializes them all); the
+// duplicate costs no time, as warpgroup 0 needs those columns anyway.
 __device__ __forceinline__ void add_ds_kv(float (&acc)[128], float (&rope)[32], const unsigned char* ds_tile,
                                           const unsigned char* tile, const Lane& ln) {
     mma_begin(acc);
@@ -458,19 +489,38 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
     float acc[128], rope[32];
     zero(acc);
     zero(rope);
+    const unsigned char* rows = kv_tile + ln.w * 32 * 128;  // this warpgroup's 32 slots
+    int s_cur = slot_key(indices, t, k, 0);
     for (int b = 0; b < nb; ++b) {
-        const int valid = stage_keys(kv_tile, sh.idx[0], kv, indices, t, k, b);
+        // Gather block b in two groups: features 0..255 first, so their
+        // products start while features 256..575 land.
+        stage_key_row<0, 8>(kv_tile, kv, s_cur);
         cp_async_commit();
-        cp_async_wait<0>();
+        stage_key_row<8, D / 32>(kv_tile, kv, s_cur);
+        cp_async_commit();
+        record_key(sh.idx[0], s_cur);
+        const int s_next = slot_key(indices, t, k, b + 1);
+        cp_async_wait<1>();
         fence_proxy_async();
-        if (!__syncthreads_or(valid)) continue;
+        const int any = __syncthreads_or(s_cur >= 0);
+        s_cur = s_next;
+        if (!any) {
+            cp_async_wait<0>();  // a thread restages only its own chunks, after they landed
+            continue;
+        }
+        prefetch_key_row(kv, s_next);
         float s[16], dp[16];
         zero(s);
         zero(dp);
         mma_begin(s);
         wgmma_fence_operands(dp);
-        issue_rows32<D / 16>(s, q_tile, kv_tile + ln.w * 32 * 128);
-        issue_rows32<DV / 16>(dp, do_tile, kv_tile + ln.w * 32 * 128);
+        issue_rows32<0, 16>(s, q_tile, rows);
+        issue_rows32<0, 16>(dp, do_tile, rows);
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        issue_rows32<16, D / 16>(s, q_tile, rows);
+        issue_rows32<16, DV / 16>(dp, do_tile, rows);
         mma_end();
         wgmma_fence_operands(s);
         wgmma_fence_operands(dp);
@@ -510,28 +560,28 @@ sa_backward_dkv_rows(const u16* q, const u16* dout, const int* indices, const un
     cp_async_commit();
     const unsigned char* image = images + (size_t)blockIdx.x * nb * IMAGE_BYTES;
     float* cta_rows = rows + (size_t)blockIdx.x * k * D;
-    // Stage block b's images and slot keys; returns whether this thread's slot is valid.
-    auto stage = [&](int b) {
+    // Stage block b's images (blocks sa_backward_dq skipped hold garbage, and are skipped here too).
+    auto stage = [&](int b, int s) {
         unsigned char* dst = image_tiles + (b & 1) * IMAGE_BYTES;
         const unsigned char* src = image + (size_t)b * IMAGE_BYTES;
         for (int c = threadIdx.x; c < IMAGE_BYTES / 16; c += THREADS) cp_async16(dst + 16 * c, src + 16 * c, true);
-        const int r = threadIdx.x >> 2, slot = b * BK + r;
-        const int s = slot < k ? indices[(size_t)t * k + slot] : -1;
-        if ((threadIdx.x & 3) == 0) sh.idx[b & 1][r] = s;
-        return (int)(s >= 0);
+        record_key(sh.idx[b & 1], s);
     };
-    int valid_next = nb > 0 ? stage(0) : 0;
+    int s_cur = slot_key(indices, t, k, 0), s_next = slot_key(indices, t, k, 1);
+    if (nb > 0) stage(0, s_cur);
     cp_async_commit();
     float acc[128], rope[32];  // each block's products overwrite them (accumulate = 0 at the first k-step)
     zero(acc);
     zero(rope);
     for (int b = 0; b < nb; ++b) {
-        const int valid = valid_next;
-        if (b + 1 < nb) valid_next = stage(b + 1);
-        cp_async_commit();
-        cp_async_wait<1>();
+        cp_async_wait<0>();
         fence_proxy_async();
-        if (!__syncthreads_or(valid)) continue;
+        const int any = __syncthreads_or(s_cur >= 0);  // block b landed; block b - 1 done everywhere
+        if (b + 1 < nb) stage(b + 1, s_next);
+        cp_async_commit();
+        s_cur = s_next;
+        s_next = slot_key(indices, t, k, b + 2);
+        if (!any) continue;
         const unsigned char* ds_img = image_tiles + (b & 1) * IMAGE_BYTES;
         mma_begin(acc);
         wgmma_fence_operands(rope);
@@ -556,7 +606,6 @@ sa_backward_dkv_rows(const u16* q, const u16* dout, const int* indices, const un
                 *reinterpret_cast<float2*>(dst + c) = make_float2(a, v);
             });
         }
-        __syncthreads();  // the image buffer is free for block b + 2
     }
     cp_async_wait<0>();
 }

@@ -27,13 +27,8 @@ namespace hs {
 __device__ __forceinline__ u64 wgmma_desc_mn(const void* smem, u32 region_bytes) {
     const u32 addr = static_cast<u32>(__cvta_generic_to_shared(smem));
     u64 desc = (u64)((addr & 0x3FFFF) >> 4);
-#ifdef HS_SA_MN_SWAP
-    desc |= (u64)(region_bytes >> 4) << 32;
-    desc |= (u64)(1024 >> 4) << 16;
-#else
     desc |= (u64)(region_bytes >> 4) << 16;
     desc |= (u64)(1024 >> 4) << 32;
-#endif
     desc |= (u64)1 << 62;
     return desc;
 }

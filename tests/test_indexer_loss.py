@@ -7,6 +7,7 @@ Error is the maximum absolute difference.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numba
 import numpy as np
 import pytest
@@ -43,7 +44,7 @@ def make_inputs(rng, n, heads, k, n_keys, dim=DIM, dtype=np.float32, skip=0.2):
 
 
 def naive_dtype(*arrays):
-    return max((np.dtype(a.dtype) for a in arrays), key=lambda d: float(np.finfo(d).eps))
+    return max((np.dtype(a.dtype) for a in arrays), key=lambda d: float(ml_dtypes.finfo(d).eps))
 
 
 def _naive_parts(q, keys, w, indices, dtype):

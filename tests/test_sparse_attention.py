@@ -9,6 +9,7 @@ flash-attention backward (p recomputed from the rounded lse) done plainly.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numba
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ def make_inputs(rng, n, h, k, n_kv, d_qk=D_QK, dtype=np.float32, skip=0.2):
 
 def naive_dtype(q, kv):
     """The precision a naive computation on q and kv runs in: the coarser one."""
-    return max((np.dtype(q.dtype), np.dtype(kv.dtype)), key=lambda d: float(np.finfo(d).eps))
+    return max((np.dtype(q.dtype), np.dtype(kv.dtype)), key=lambda d: float(ml_dtypes.finfo(d).eps))
 
 
 def _naive_logits(q, kv, indices, scale, dtype):

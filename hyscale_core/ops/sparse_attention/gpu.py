@@ -117,16 +117,43 @@ def _as_dtype(x, dtype):
     return narrow(widen(x, cupy_module().float32), dtype)
 
 
-def _chunks(n: int, rows_per_query: int):
+def query_chunks(n: int, rows_per_query: int):
     """Query ranges whose dkv rows ([rows_per_query, 576] float32 each) fit ROWS_BYTES."""
     step = max(1, ROWS_BYTES // max(1, rows_per_query * D_QK * 4))
     for t0 in range(0, n, step):
         yield t0, min(n, t0 + step)
 
 
-def _add_rows_by_key(cp, indices, rows, groups: int, dkv, defines: tuple[str, ...]) -> None:
+def dq_and_images(q, kv, indices, out, dout, lse, dq, scale: float, defines: tuple[str, ...]):
+    """sa_backward_dq on a chunk of queries (16-bit q, out, dout; float32 lse):
+    writes dq [C, h, 576] (uint16 bits) and returns the ds / p' images (uint8)."""
+    cp = cupy_module()
+    (n, h, _), k = q.shape, indices.shape[1]
+    ctas = n * _groups(h)
+    images = cp.empty(ctas * -(-k // SLOTS_PER_BLOCK) * IMAGE_BYTES, dtype=cp.uint8)
+    _kernel("sa_backward_dq", SMEM_DQ, defines)(
+        (ctas,), (THREADS,), (_bits(q), _bits(kv), indices, _bits(out), _bits(dout), lse, dq, images, np.int32(h),
+                              np.int32(k), np.float32(scale)), shared_mem=SMEM_DQ)
+    return images
+
+
+def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...]):
+    """sa_backward_dkv_rows on the chunk of ``dq_and_images``: float32 [C * groups * k, 576],
+    row (t * groups + g) * k + i = head group g's dkv contribution of slot i of query t."""
+    cp = cupy_module()
+    (n, h, _), k = q.shape, indices.shape[1]
+    ctas = n * _groups(h)
+    rows = cp.empty((ctas * k, D_QK), dtype=cp.float32)
+    _kernel("sa_backward_dkv_rows", SMEM_DKV_ROWS, defines)(
+        (ctas,), (THREADS,), (_bits(q), _bits(dout), indices, images, rows, np.int32(h), np.int32(k),
+                              np.float32(scale)), shared_mem=SMEM_DKV_ROWS)
+    return rows
+
+
+def add_rows_by_key(indices, rows, groups: int, dkv, defines: tuple[str, ...]) -> None:
     """dkv[s] += every row of the chunk whose slot selected key s, in ascending
     (query, slot, group) order. indices int32 [C, k]; rows float32 [C * groups * k, 576]."""
+    cp = cupy_module()
     k = indices.shape[1]
     flat = indices.reshape(-1)
     order = cp.argsort(flat)  # stable: -1 slots first, then each key's slots in ascending position
@@ -142,31 +169,31 @@ def _add_rows_by_key(cp, indices, rows, groups: int, dkv, defines: tuple[str, ..
                                            (rows, pairs, starts, seg_keys, np.int32(k), np.int32(groups), dkv))
 
 
-def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float):
+def backward_operands(q, kv, out, lse, dout, d_v: int, scale: float):
+    """``(defines, out16, dout16, lse32)``: the kernels' operands, or None where gpu_fallback runs."""
     defines = _defines(q, kv, d_v, scale)
     if defines is None:
+        return None
+    return defines, _as_dtype(out, q.dtype), _as_dtype(dout, q.dtype), cupy_module().ascontiguousarray(
+        widen(lse, cupy_module().float32))
+
+
+def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float):
+    operands = backward_operands(q, kv, out, lse, dout, d_v, scale)
+    if operands is None:
         return gpu_fallback.sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale)
+    defines, out16, dout16, lse32 = operands
     cp = cupy_module()
-    n, h, _ = q.shape
-    k, groups = indices.shape[1], _groups(h)
-    n_blocks = -(-k // SLOTS_PER_BLOCK)
-    out16, dout16 = _as_dtype(out, q.dtype), _as_dtype(dout, q.dtype)
-    lse32 = cp.ascontiguousarray(widen(lse, cp.float32))
+    groups = _groups(q.shape[1])
     dq = cp.empty(q.shape, dtype=cp.uint16)
     if POISON_OUTPUTS:
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
-    dq_kernel = _kernel("sa_backward_dq", SMEM_DQ, defines)
-    rows_kernel = _kernel("sa_backward_dkv_rows", SMEM_DKV_ROWS, defines)
-    for t0, t1 in _chunks(n, groups * k):
-        ctas = (t1 - t0) * groups
-        images = cp.empty(ctas * n_blocks * IMAGE_BYTES, dtype=cp.uint8)
-        rows = cp.empty((ctas * k, D_QK), dtype=cp.float32)
-        idx = indices[t0:t1]
-        q_c, dout_c = _bits(q[t0:t1]), _bits(dout16[t0:t1])
-        dq_kernel((ctas,), (THREADS,), (q_c, _bits(kv), idx, _bits(out16[t0:t1]), dout_c, lse32[t0:t1], dq[t0:t1],
-                                        images, np.int32(h), np.int32(k), np.float32(scale)), shared_mem=SMEM_DQ)
-        rows_kernel((ctas,), (THREADS,), (q_c, dout_c, idx, images, rows, np.int32(h), np.int32(k),
-                                          np.float32(scale)), shared_mem=SMEM_DKV_ROWS)
-        _add_rows_by_key(cp, idx, rows, groups, dkv, defines)
+    for t0, t1 in query_chunks(q.shape[0], groups * indices.shape[1]):
+        chunk = slice(t0, t1)
+        images = dq_and_images(q[chunk], kv, indices[chunk], out16[chunk], dout16[chunk], lse32[chunk], dq[chunk],
+                               scale, defines)
+        rows = dkv_rows(q[chunk], dout16[chunk], indices[chunk], images, scale, defines)
+        del images
+        add_rows_by_key(indices[chunk], rows, groups, dkv, defines)
     return dq.view(q.dtype), narrow(dkv, kv.dtype)
