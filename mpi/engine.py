@@ -117,10 +117,8 @@ class ShardedDSABlock(DSABlock):
         flat = ops.Reshape.apply(attn, shape=(n, cfg.heads * cfg.d_v))
         x = ops.Add.apply(x, ops.MatMul.apply(flat, p["wo"]))
         kl = self._kl_share(iq, ik_all, iw, indices, attn.aux["probs"], kl_rows)
-        m = ops.RMSNorm.apply(x, p["mlp_norm"])  # the SwiGLU MLP of DSABlock.forward
-        gate = ops.SiLU.apply(ops.MatMul.apply(m, p["w1"]))
-        up = ops.MatMul.apply(m, p["w3"])
-        return ops.Add.apply(x, ops.MatMul.apply(ops.Mul.apply(gate, up), p["w2"])), kl
+        y = ops.Add.apply(x, ops.swiglu(ops.RMSNorm.apply(x, p["mlp_norm"]), p["w1"], p["w3"], p["w2"]))
+        return y, kl
 
     def _kl_share(self, iq: Tensor, ik_all: Tensor, iw: Tensor, indices: Any, probs: Any, kl_rows: Any) -> Tensor:
         """The local indexer KL mean times (local rows / every rank's rows)."""
