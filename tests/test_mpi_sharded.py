@@ -172,11 +172,11 @@ def test_gpu_ranks_sharing_a_gpu_match_one_gpu(tmp_path):
     out_, lse = hs.sparse_attention(data["q"], data["kv"], data["indices"], d_v=cases.D_V)
     dq, dkv = hs.sparse_attention_backward(data["q"], data["kv"], data["indices"], out_, lse, data["dout"],
                                            d_v=cases.D_V)
-    for exchange in cases.EXCHANGES:
+    for exchange in cases.EXCHANGES:  # float32 rounding of per-chunk products and per-rank partial sums
         for label, ref in (("out", out_), ("lse", lse), ("dq", dq), ("dkv", dkv)):
             ref = ref.get()
             np.testing.assert_allclose(got[f"gpu/{exchange}/{label}"], ref, rtol=0,
-                                       atol=4e-7 * np.abs(ref[np.isfinite(ref)]).max(), err_msg=f"{exchange} {label}")
+                                       atol=1e-5 * np.abs(ref[np.isfinite(ref)]).max(), err_msg=f"{exchange} {label}")
     assert got["gpu/allgather/dkv"].tobytes() == got["gpu/fetch/dkv"].tobytes()
 
 
