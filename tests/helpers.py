@@ -1,6 +1,10 @@
 """Test helpers: awkward inputs and backend conversion."""
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -8,6 +12,13 @@ from hyscale_core._backend import cupy_module
 from hyscale_core._dtypes import TOPK_DTYPES, is_float
 
 HAS_GPU = cupy_module() is not None
+
+
+def mpiexec() -> str | None:
+    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("mpiexec")
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
 
 AWKWARD_LENGTHS = (1, 7, 63, 300)
 

@@ -4,7 +4,6 @@ a failing rank ends the job with an error, no hang."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 
 import hyscale_core as hs
 import mpi_ranks as cases
+from helpers import mpiexec
 from hyscale_core.mpi import contiguous_layout, costmodel, zigzag_layout
 
 pytestmark = pytest.mark.mpi
@@ -23,12 +23,6 @@ RANKS = Path(__file__).with_name("mpi_ranks.py")
 TIMEOUT_S = 120
 THREADS = {name: "1" for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                   "MKL_NUM_THREADS")}
-
-
-def mpiexec() -> str | None:
-    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
-    beside = Path(sys.executable).with_name("mpiexec")
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
 def run_ranks(n_ranks: int, out: Path, *groups: str) -> subprocess.CompletedProcess:
