@@ -19,7 +19,8 @@
 //
 // Backward, in three kernels with no float atomics:
 // sa_backward_dq recomputes p = exp(logit - lse) and dp = dout v^T per block,
-// forms ds = p (dp - delta) (delta = rowsum(dout * out), made first), adds
+// forms ds = p (dp - delta) (delta = rowsum(dout * out), made first; exactly
+// 0 on rows whose valid slots all hold one key), adds
 // ds kv into dq (kept in registers), and writes the block's ds and
 // p' = p / scale tiles (16-bit, as their swizzled shared-memory image) to a
 // scratch buffer. sa_backward_dkv_rows reads those images back and computes
@@ -371,7 +372,32 @@ struct BwdShared {
     int idx[2][BK];
     float delta[BH];
     float lse2[BH];
+    int key_min, key_max;
 };
+
+// Whether every valid slot of query t selects one and the same key (one
+// valid slot, or copies of one key). Then p is constant under the logit, so
+// ds = p (dp - delta) is exactly 0, which the caller writes instead of the
+// float32 cancellation of dp - delta. All threads must call this.
+__device__ __forceinline__ bool one_key(BwdShared& sh, const int* indices, int t, int k) {
+    if (threadIdx.x == 0) {
+        sh.key_min = 0x7FFFFFFF;
+        sh.key_max = -1;
+    }
+    __syncthreads();
+    int lo = 0x7FFFFFFF, hi = -1;
+    for (int i = threadIdx.x; i < k; i += THREADS) {
+        const int s = indices[(size_t)t * k + i];
+        if (s >= 0) {
+            lo = min(lo, s);
+            hi = max(hi, s);
+        }
+    }
+    atomicMin(&sh.key_min, lo);  // integer min / max: the result does not depend on the order
+    atomicMax(&sh.key_max, hi);
+    __syncthreads();
+    return sh.key_max >= 0 && sh.key_min == sh.key_max;
+}
 
 __device__ __forceinline__ float dot_halves(uint4 a, uint4 b) {
     const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
@@ -401,11 +427,12 @@ __device__ __forceinline__ void row_stats(BwdShared& sh, const u16* out, const u
     }
 }
 
-// ds = p (dp - delta) and p' = p / scale for this thread's 16 entries of the
-// block, into the shared ds tile and the block's global image (ds, then p').
+// ds = p (dp - delta) (0 for a one-key row) and p' = p / scale for this
+// thread's 16 entries of the block, into the shared ds tile and the block's
+// global image (ds, then p').
 __device__ __forceinline__ void write_ds(const float (&s)[16], const float (&dp)[16], const BwdShared& sh,
                                          const int* idx, unsigned char* ds_tile, unsigned char* image, float sl2,
-                                         float inv_scale, const Lane& ln) {
+                                         float inv_scale, bool constant_p, const Lane& ln) {
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = ln.row0 + 8 * r;
@@ -419,7 +446,7 @@ __device__ __forceinline__ void write_ds(const float (&s)[16], const float (&dp)
             for (int c = 0; c < 2; ++c) {
                 const int i = 4 * j + 2 * r + c;
                 p[c] = live && idx[col + c] >= 0 ? exp2f(s[i] * sl2 - lse2) : 0.f;
-                ds[c] = p[c] * (dp[i] - delta);
+                ds[c] = constant_p ? 0.f : p[c] * (dp[i] - delta);
             }
             const u32 off = tile_offset(row, col), ds2 = pack_half2(ds[0], ds[1]);
             *reinterpret_cast<u32*>(ds_tile + off) = ds2;
@@ -485,6 +512,7 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
     stage_heads<DV>(do_tile, dout, t, g, h);
     cp_async_commit();
     row_stats(sh, out, dout, lse, t, g, h);
+    const bool constant_p = one_key(sh, indices, t, k);
     unsigned char* image = images + (size_t)blockIdx.x * nb * IMAGE_BYTES;
     float acc[128], rope[32];
     zero(acc);
@@ -524,7 +552,7 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
         mma_end();
         wgmma_fence_operands(s);
         wgmma_fence_operands(dp);
-        write_ds(s, dp, sh, sh.idx[0], ds_tile, image + (size_t)b * IMAGE_BYTES, sl2, 1.f / scale, ln);
+        write_ds(s, dp, sh, sh.idx[0], ds_tile, image + (size_t)b * IMAGE_BYTES, sl2, 1.f / scale, constant_p, ln);
         fence_proxy_async();
         __syncthreads();
         add_ds_kv(acc, rope, ds_tile, kv_tile, ln);

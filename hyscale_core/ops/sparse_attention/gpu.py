@@ -18,8 +18,9 @@ block of 64 slots):
   again; skipped with ``want_probs=False``) and sums exp(logit - lse) over
   the heads in a fixed order (head groups of h > 64 are added in order).
 - backward: delta = rowsum(dout * out) in float32; per block p and dp are
-  recomputed, ds = p (dp - delta) is rounded to 16-bit as an operand, dq
-  accumulates in float32 registers. Each selected slot's dkv row,
+  recomputed, ds = p (dp - delta) is rounded to 16-bit as an operand (and is
+  exactly 0 on a row whose valid slots all hold one key, where p does not
+  depend on the logits), dq accumulates in float32 registers. Each selected slot's dkv row,
   scale ds^T q + p^T dout, is written in float32 and the rows are added
   into a float32 dkv key by key in ascending (query, slot, head group)
   order (a stable sort of the index table; no atomics), then rounded once
