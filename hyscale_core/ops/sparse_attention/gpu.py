@@ -1,6 +1,7 @@
 """GPU backend of sparse attention: the tensor-core kernels of
-``cuda/sparse_attention.cu`` for MLA shapes in 16-bit, CuPy primitives
-(``gpu_fallback``) for everything else.
+``cuda/sparse_attention.cu`` (forward) and ``cuda/sparse_attention_bwd.cu``
+for MLA shapes in 16-bit, CuPy primitives (``gpu_fallback``) for everything
+else.
 
 Same contract as cpu.py. The kernels run when q and kv are both bfloat16 or
 both float16, d_qk = 576 and d_v = 512 (for float16 also scale >= 2**-15, so
@@ -38,7 +39,7 @@ from ...gpu.convert import narrow, widen
 from ...gpu.module import get_kernel
 from . import gpu_fallback
 
-# cuda/sparse_attention.cu
+# cuda/sparse_attention.cuh
 D_QK, D_V = 576, 512
 HEADS_PER_CTA, SLOTS_PER_BLOCK, THREADS = 64, 64, 256
 _TILE = 64 * 128  # one 64-row region of a swizzled tile, bytes
@@ -65,7 +66,8 @@ def _defines(q, kv, d_v: int, scale: float) -> tuple[str, ...] | None:
 
 
 def _kernel(name: str, smem: int, defines: tuple[str, ...]):
-    return get_kernel("sparse_attention", name, smem, defines)
+    """sa_forward from cuda/sparse_attention.cu, the backward kernels from cuda/sparse_attention_bwd.cu."""
+    return get_kernel("sparse_attention" if name == "sa_forward" else "sparse_attention_bwd", name, smem, defines)
 
 
 def _bits(x):

@@ -1,0 +1,313 @@
+// Sparse attention backward on tensor cores (layout: sparse_attention.cuh),
+// in three kernels with no float atomics:
+//
+// sa_backward_dq recomputes p = exp(logit - lse) and dp = dout v^T per block,
+// forms ds = p (dp - delta) (delta = rowsum(dout * out), made first; exactly
+// 0 on rows whose valid slots all hold one key), adds ds kv into dq (kept in
+// registers), and writes the block's ds and p' = p / scale tiles (16-bit, as
+// their swizzled shared-memory image) to a scratch buffer.
+// sa_backward_dkv_rows reads those images back and computes each slot's dkv
+// row, scale * (ds^T q + p'^T dout), into a per-(query, head group, slot)
+// float32 buffer. sa_dkv_segments adds those rows into dkv key by key in
+// ascending (query, slot, group) order: bitwise reproducible.
+#include "wgmma.cuh"
+#include "sparse_attention.cuh"
+
+namespace {
+
+struct BwdShared {
+    int idx[2][BK];
+    float delta[BH];
+    float lse2[BH];
+    int key_min, key_max;
+};
+
+// Whether every valid slot of query t selects one and the same key (one
+// valid slot, or copies of one key). Then p is constant under the logit, so
+// ds = p (dp - delta) is exactly 0, which the caller writes instead of the
+// float32 cancellation of dp - delta. All threads must call this.
+__device__ __forceinline__ bool one_key(BwdShared& sh, const int* indices, int t, int k) {
+    if (threadIdx.x == 0) {
+        sh.key_min = 0x7FFFFFFF;
+        sh.key_max = -1;
+    }
+    __syncthreads();
+    int lo = 0x7FFFFFFF, hi = -1;
+    for (int i = threadIdx.x; i < k; i += THREADS) {
+        const int s = indices[(size_t)t * k + i];
+        if (s >= 0) {
+            lo = min(lo, s);
+            hi = max(hi, s);
+        }
+    }
+    atomicMin(&sh.key_min, lo);  // integer min / max: the result does not depend on the order
+    atomicMax(&sh.key_max, hi);
+    __syncthreads();
+    return sh.key_max >= 0 && sh.key_min == sh.key_max;
+}
+
+__device__ __forceinline__ float dot_halves(uint4 a, uint4 b) {
+    const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+    float acc = 0.f;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc = fmaf(half_to_float((u16)(av[i] & 0xFFFF)), half_to_float((u16)(bv[i] & 0xFFFF)), acc);
+        acc = fmaf(half_to_float((u16)(av[i] >> 16)), half_to_float((u16)(bv[i] >> 16)), acc);
+    }
+    return acc;
+}
+
+// delta = rowsum(dout * out) and lse in base 2 for the CTA's 64 head rows
+// (0 and -inf for heads past h); 4 threads per row, summed in a fixed order.
+__device__ __forceinline__ void row_stats(BwdShared& sh, const u16* out, const u16* dout, const float* lse, int t,
+                                          int g, int h) {
+    const int r = threadIdx.x >> 2, head = g * BH + r;
+    float acc = 0.f;
+    if (head < h) {
+        const uint4* o4 = reinterpret_cast<const uint4*>(out + ((size_t)t * h + head) * DV);
+        const uint4* d4 = reinterpret_cast<const uint4*>(dout + ((size_t)t * h + head) * DV);
+        for (int c = threadIdx.x & 3; c < DV / 8; c += 4) acc += dot_halves(o4[c], d4[c]);
+    }
+    acc = quad_sum(acc);
+    if ((threadIdx.x & 3) == 0) {
+        sh.delta[r] = acc;
+        sh.lse2[r] = head < h ? lse[(size_t)t * h + head] * LOG2E : neg_inf();
+    }
+}
+
+// ds = p (dp - delta) (0 for a one-key row) and p' = p / scale for this
+// thread's 16 entries of the block, into the shared ds tile and the block's
+// global image (ds, then p').
+__device__ __forceinline__ void write_ds(const float (&s)[16], const float (&dp)[16], const BwdShared& sh,
+                                         const int* idx, unsigned char* ds_tile, unsigned char* image, float sl2,
+                                         float inv_scale, bool constant_p, const Lane& ln) {
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = ln.row0 + 8 * r;
+        const float lse2 = sh.lse2[row], delta = sh.delta[row];
+        const bool live = lse2 != neg_inf();
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = ln.w * 32 + 8 * j + ln.cq;
+            float p[2], ds[2];
+            #pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int i = 4 * j + 2 * r + c;
+                p[c] = live && idx[col + c] >= 0 ? exp2f(s[i] * sl2 - lse2) : 0.f;
+                ds[c] = constant_p ? 0.f : p[c] * (dp[i] - delta);
+            }
+            const u32 off = tile_offset(row, col), ds2 = pack_half2(ds[0], ds[1]);
+            *reinterpret_cast<u32*>(ds_tile + off) = ds2;
+            *reinterpret_cast<u32*>(image + off) = ds2;
+            *reinterpret_cast<u32*>(image + P_BYTES + off) = pack_half2(p[0] * inv_scale, p[1] * inv_scale);
+        }
+    }
+}
+
+// dq (+)= ds kv for this warpgroup's columns 256 w .. 256 w + 255, and for
+// columns 512..575 in rope. Both warpgroups compute rope (only warpgroup 0
+// stores it): the two then run one instruction stream, which ptxas keeps
+// pipelined (a wgmma under a warpgroup branch serializes them all); the
+// duplicate costs no time, as warpgroup 0 needs those columns anyway.
+__device__ __forceinline__ void add_ds_kv(float (&acc)[128], float (&rope)[32], const unsigned char* ds_tile,
+                                          const unsigned char* tile, const Lane& ln) {
+    mma_begin(acc);
+    wgmma_fence_operands(rope);
+    #pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        const u64 a = wgmma_desc_k(ds_tile, kk, 64);
+        sa_mma_n256<0, 1>(acc, a, wgmma_desc_mn(tile + ln.w * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);
+        sa_mma_n64<0, 1>(rope, a, wgmma_desc_mn(tile + 8 * REGION + kk * K_STEP_ROWS, REGION), 1);
+    }
+    mma_end();
+    wgmma_fence_operands(acc);
+    wgmma_fence_operands(rope);
+}
+
+// Write row row0 + 8 r of a [64 x 576] product held as acc (columns 256 w ..)
+// and rope (columns 512 .., stored by warpgroup 0), times `scale`, through
+// store(column, value, value at column + 1).
+template <typename Store>
+__device__ __forceinline__ void store_row(const float (&acc)[128], const float (&rope)[32], int r, float scale,
+                                          const Lane& ln, Store&& store) {
+    #pragma unroll
+    for (int j = 0; j < 32; ++j)
+        store(ln.w * 256 + 8 * j + ln.cq, acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+    if (ln.w == 0)
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+            store(DV + 8 * j + ln.cq, rope[4 * j + 2 * r] * scale, rope[4 * j + 2 * r + 1] * scale);
+}
+
+}  // namespace
+
+// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + KV_BYTES + P_BYTES.
+// Grid: C * groups CTAs over the chunk's queries (pointers start at its first
+// query). images: [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks
+// without a valid slot are not written.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout, const float* lse,
+               u16* dq, unsigned char* images, int h, int k, float scale) {
+    __shared__ BwdShared sh;
+    unsigned char* q_tile = aligned_dynamic_smem();
+    unsigned char* do_tile = q_tile + Q_BYTES;
+    unsigned char* kv_tile = do_tile + DO_BYTES;
+    unsigned char* ds_tile = kv_tile + KV_BYTES;
+    const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
+    const int nb = (k + BK - 1) / BK;
+    const Lane ln = lane_geometry();
+    const float sl2 = scale * LOG2E;
+    stage_heads<D>(q_tile, q, t, g, h);
+    stage_heads<DV>(do_tile, dout, t, g, h);
+    cp_async_commit();
+    row_stats(sh, out, dout, lse, t, g, h);
+    const bool constant_p = one_key(sh, indices, t, k);
+    unsigned char* image = images + (size_t)blockIdx.x * nb * IMAGE_BYTES;
+    float acc[128], rope[32];
+    zero(acc);
+    zero(rope);
+    const unsigned char* rows = kv_tile + ln.w * 32 * 128;  // this warpgroup's 32 slots
+    int s_cur = slot_key(indices, t, k, 0);
+    for (int b = 0; b < nb; ++b) {
+        // Gather block b in two groups: features 0..255 first, so their
+        // products start while features 256..575 land.
+        stage_key_row<0, 8>(kv_tile, kv, s_cur);
+        cp_async_commit();
+        stage_key_row<8, D / 32>(kv_tile, kv, s_cur);
+        cp_async_commit();
+        record_key(sh.idx[0], s_cur);
+        const int s_next = slot_key(indices, t, k, b + 1);
+        cp_async_wait<1>();
+        fence_proxy_async();
+        const int any = __syncthreads_or(s_cur >= 0);
+        s_cur = s_next;
+        if (!any) {
+            cp_async_wait<0>();  // a thread restages only its own chunks, after they landed
+            continue;
+        }
+        prefetch_key_row(kv, s_next);
+        float s[16], dp[16];
+        zero(s);
+        zero(dp);
+        mma_begin(s);
+        wgmma_fence_operands(dp);
+        issue_rows32<0, 16>(s, q_tile, rows);
+        issue_rows32<0, 16>(dp, do_tile, rows);
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        issue_rows32<16, D / 16>(s, q_tile, rows);
+        issue_rows32<16, DV / 16>(dp, do_tile, rows);
+        mma_end();
+        wgmma_fence_operands(s);
+        wgmma_fence_operands(dp);
+        write_ds(s, dp, sh, sh.idx[0], ds_tile, image + (size_t)b * IMAGE_BYTES, sl2, 1.f / scale, constant_p, ln);
+        fence_proxy_async();
+        __syncthreads();
+        add_ds_kv(acc, rope, ds_tile, kv_tile, ln);
+        __syncthreads();  // the kv and ds tiles are free for the next block
+    }
+    cp_async_wait<0>();
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int head = g * BH + ln.row0 + 8 * r;
+        if (head >= h) continue;
+        u16* dst = dq + ((size_t)t * h + head) * D;
+        store_row(acc, rope, r, scale, ln, [&](int c, float a, float v) {
+            *reinterpret_cast<u32*>(dst + c) = pack_half2(a, v);
+        });
+    }
+}
+
+// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + 2 * IMAGE_BYTES.
+// Grid as sa_backward_dq. rows: [C * groups, k, 576] float32; row (cta, slot)
+// = scale * (ds^T q + p'^T dout) of that slot, written for valid slots only.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+sa_backward_dkv_rows(const u16* q, const u16* dout, const int* indices, const unsigned char* images, float* rows,
+                     int h, int k, float scale) {
+    __shared__ BwdShared sh;
+    unsigned char* q_tile = aligned_dynamic_smem();
+    unsigned char* do_tile = q_tile + Q_BYTES;
+    unsigned char* image_tiles = do_tile + DO_BYTES;
+    const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
+    const int nb = (k + BK - 1) / BK;
+    const Lane ln = lane_geometry();
+    stage_heads<D>(q_tile, q, t, g, h);
+    stage_heads<DV>(do_tile, dout, t, g, h);
+    cp_async_commit();
+    const unsigned char* image = images + (size_t)blockIdx.x * nb * IMAGE_BYTES;
+    float* cta_rows = rows + (size_t)blockIdx.x * k * D;
+    // Stage block b's images (blocks sa_backward_dq skipped hold garbage, and are skipped here too).
+    auto stage = [&](int b, int s) {
+        unsigned char* dst = image_tiles + (b & 1) * IMAGE_BYTES;
+        const unsigned char* src = image + (size_t)b * IMAGE_BYTES;
+        for (int c = threadIdx.x; c < IMAGE_BYTES / 16; c += THREADS) cp_async16(dst + 16 * c, src + 16 * c, true);
+        record_key(sh.idx[b & 1], s);
+    };
+    int s_cur = slot_key(indices, t, k, 0), s_next = slot_key(indices, t, k, 1);
+    if (nb > 0) stage(0, s_cur);
+    cp_async_commit();
+    float acc[128], rope[32];  // each block's products overwrite them (accumulate = 0 at the first k-step)
+    zero(acc);
+    zero(rope);
+    for (int b = 0; b < nb; ++b) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        const int any = __syncthreads_or(s_cur >= 0);  // block b landed; block b - 1 done everywhere
+        if (b + 1 < nb) stage(b + 1, s_next);
+        cp_async_commit();
+        s_cur = s_next;
+        s_next = slot_key(indices, t, k, b + 2);
+        if (!any) continue;
+        const unsigned char* ds_img = image_tiles + (b & 1) * IMAGE_BYTES;
+        mma_begin(acc);
+        wgmma_fence_operands(rope);
+        #pragma unroll
+        for (int kk = 0; kk < BH / 16; ++kk) {
+            const u64 a_ds = wgmma_desc_mn(ds_img + kk * K_STEP_ROWS, REGION);
+            const u64 a_p = wgmma_desc_mn(ds_img + P_BYTES + kk * K_STEP_ROWS, REGION);
+            const int n0 = ln.w * 4 * REGION + kk * K_STEP_ROWS;
+            sa_mma_n256<1, 1>(acc, a_ds, wgmma_desc_mn(q_tile + n0, REGION), kk > 0);
+            sa_mma_n256<1, 1>(acc, a_p, wgmma_desc_mn(do_tile + n0, REGION), 1);
+            sa_mma_n64<1, 1>(rope, a_ds, wgmma_desc_mn(q_tile + 8 * REGION + kk * K_STEP_ROWS, REGION), kk > 0);
+        }
+        mma_end();
+        wgmma_fence_operands(acc);
+        wgmma_fence_operands(rope);
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int slot = ln.row0 + 8 * r;
+            if (sh.idx[b & 1][slot] < 0) continue;
+            float* dst = cta_rows + (size_t)(b * BK + slot) * D;
+            store_row(acc, rope, r, scale, ln, [&](int c, float a, float v) {
+                *reinterpret_cast<float2*>(dst + c) = make_float2(a, v);
+            });
+        }
+    }
+    cp_async_wait<0>();
+}
+
+// dkv[keys[s], :] += the rows of segment s's pairs, one after another in the
+// segment's order: pair e is pairs[e] = t * k + i < 2^31 (query t of the chunk,
+// slot i); its rows (t * groups + g) * k + i, g ascending, follow each other.
+// One CTA of D / 4 threads per segment (4 columns each); no atomics.
+extern "C" __global__ void __launch_bounds__(D / 4)
+sa_dkv_segments(const float* rows, const int* pairs, const int* starts, const int* keys, int k, int groups,
+                float* dkv) {
+    const int s = blockIdx.x, c = threadIdx.x;
+    float4* dst = reinterpret_cast<float4*>(dkv) + (size_t)keys[s] * (D / 4) + c;
+    const float4* src = reinterpret_cast<const float4*>(rows) + c;
+    float4 acc = *dst;
+    for (int e = starts[s]; e < starts[s + 1]; ++e) {
+        const int t = pairs[e] / k, i = pairs[e] - t * k;
+        for (int g = 0; g < groups; ++g) {
+            const float4 v = src[(((size_t)t * groups + g) * k + i) * (D / 4)];
+            acc.x += v.x;
+            acc.y += v.y;
+            acc.z += v.z;
+            acc.w += v.w;
+        }
+    }
+    *dst = acc;
+}
+
