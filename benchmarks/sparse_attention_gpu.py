@@ -101,8 +101,6 @@ def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
 
 
 def run_config(args, cp, torch, hs, n, h, rates):
-    from hyscale_core.ops.sparse_attention import gpu
-
     k, scale = args.topk, 1.0 / np.sqrt(D_QK)
     tq, tkv, tdout, tidx = inputs(torch, n, h, k)
     q, kv, dout, idx = (to_cupy(cp, x, torch) for x in (tq, tkv, tdout, tidx))
@@ -113,7 +111,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
     floors["bwd"] = max(2.5 * fwd_flops / rates["flops"], 2 * fwd_bytes / rates["bytes"]) * 1e3
     out, lse = hs.sparse_attention(q, kv, idx)
     impls = {
-        "hs fwd": lambda i: gpu.sparse_attention(q, kv, idx, D_V, scale, want_probs=False),
+        "hs fwd": lambda i: hs.sparse_attention(q, kv, idx),
         "hs fwd+probs": lambda i: hs.sparse_attention(q, kv, idx, return_probs=True),
         "hs bwd": lambda i: hs.sparse_attention_backward(q, kv, idx, out, lse, dout),
     }

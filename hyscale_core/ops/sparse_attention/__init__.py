@@ -116,7 +116,7 @@ def sparse_attention(q: Any, kv: Any, indices: Any, *, d_v: int = 512, scale: fl
     return_probs = _bool(return_probs, "return_probs")
     xp = xp_for(backend)
     q, kv, indices = (xp.ascontiguousarray(arrays[n]) for n in ("q", "kv", "indices"))
-    out, lse, probs = _impl(backend).sparse_attention(q, kv, indices, d_v, scale)
+    out, lse, probs = _impl(backend).sparse_attention(q, kv, indices, d_v, scale, want_probs=return_probs)
     return (out, lse, probs) if return_probs else (out, lse)
 
 

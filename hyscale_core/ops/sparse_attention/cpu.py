@@ -166,8 +166,13 @@ def _forward(q, kv, indices, d_v, scale, out, lse, probs):
         _forward_row(q[t], kv, indices[t], d_v, scale, out[t], lse[t], probs[t])
 
 
-def sparse_attention(q, kv, indices, d_v: int, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(out [N, h, d_v] q.dtype, lse float32 [N, h], probs float32 [N, k])``."""
+def sparse_attention(q, kv, indices, d_v: int, scale: float, want_probs: bool = True
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(out [N, h, d_v] q.dtype, lse float32 [N, h], probs float32 [N, k] or None)``.
+
+    probs come out of the same pass (they cost no extra pass here); None
+    unless ``want_probs``.
+    """
     dt = compute_dtype(q, kv)
     q_c, kv_c = (np.ascontiguousarray(a, dtype=dt) for a in (q, kv))
     n, n_h, _ = q.shape
@@ -175,7 +180,7 @@ def sparse_attention(q, kv, indices, d_v: int, scale: float) -> tuple[np.ndarray
     lse = np.empty((n, n_h), np.float32)
     probs = np.empty(indices.shape, np.float32)
     _forward(q_c, kv_c, indices, d_v, dt.type(scale), out, lse, probs)
-    return out.astype(q.dtype, copy=False), lse, probs
+    return out.astype(q.dtype, copy=False), lse, (probs if want_probs else None)
 
 
 @njit(cache=True, fastmath=FMA)
