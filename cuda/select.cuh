@@ -199,97 +199,79 @@ __device__ void block_bitonic_sort(K* keys, u32* idx, int n) {
     }
 }
 
-// Whether (ak, ai) goes before (bk, bi): key descending then index ascending
-// (by_key), or index ascending.
-template <typename K>
-__device__ __forceinline__ bool goes_before(K ak, u32 ai, K bk, u32 bi, bool by_key) {
-    return by_key ? (ak > bk || (ak == bk && ai < bi)) : ai < bi;
-}
-
-// One compare-exchange of a bitonic stage seen from position p: with the
-// partner's pair (pk, pi), keep the one this position must hold.
-template <typename K>
-__device__ __forceinline__ void bitonic_keep(K& key, u32& idx, K pk, u32 pi, int p, int stride, int size,
-                                             bool by_key) {
-    const bool keep_first = ((p & stride) == 0) == ((p & size) == 0);
-    const bool take = keep_first ? goes_before(pk, pi, key, idx, by_key) : goes_before(key, idx, pk, pi, by_key);
-    if (take) {
-        key = pk;
-        idx = pi;
-    }
-}
-
-// A stage whose partners are S < E slots apart inside one thread.
-template <int S, int E, typename K>
-__device__ __forceinline__ void bitonic_in_thread(K (&key)[E], u32 (&idx)[E], int base, int size, bool by_key) {
-    #pragma unroll
-    for (int e = 0; e < E; ++e) {
-        if ((e & S) == 0) {
-            const int f = e | S;
-            const bool ascending = ((base + e) & size) == 0;
-            const bool swap = ascending ? goes_before(key[f], idx[f], key[e], idx[e], by_key)
-                                        : goes_before(key[e], idx[e], key[f], idx[f], by_key);
-            if (swap) {
-                const K tk = key[e];
-                key[e] = key[f];
-                key[f] = tk;
-                const u32 ti = idx[e];
-                idx[e] = idx[f];
-                idx[f] = ti;
-            }
-        }
-    }
-}
-
-// Bitonic sort of n (key, idx) pairs held E per thread: thread t holds
-// positions t*E .. t*E+E-1, threads with t*E >= n hold nothing. Afterwards
-// position 0 holds the first pair in goes_before order. Partners in one
-// thread swap in registers, in one warp through shuffles, further apart
-// through `skey`/`sidx` (n entries of shared memory each).
-// Requires n a power of two, 32*E <= n <= E*blockDim.x. All threads call this.
+// Stable sort, descending, of n (key, idx) pairs in shared memory (n a
+// power of two, 32 * E <= n <= E * blockDim.x), as one number made of the
+// low 8 * key_passes bits of the key over the low 8 * idx_passes bits of
+// ~idx: key descending then index ascending, or (key_passes = 0) index
+// ascending. LSD radix sort with 8-bit digits: each pass ranks every pair
+// stably inside its warp (ballots on the digit's bits), scans the per-warp
+// digit counts (`counts`: blockDim.x / 32 * 256 u16 of shared memory) and
+// scatters from one pair of arrays (key, idx) to the other (key2, idx2).
+// Thread t of warp w ranks positions w*32*E + e*32 + lane. Returns whether
+// the result is in key2/idx2. All threads call this.
 template <int E, typename K>
-__device__ void block_sort_pairs(K (&key)[E], u32 (&idx)[E], int n, bool by_key, K* skey, u32* sidx) {
-    static_assert(E == 4 || E == 8, "E is 4 or 8");
-    const int base = threadIdx.x * E;
-    const bool active = base < n;  // whole warps, as n is a multiple of 32*E
-    for (int size = 2; size <= n; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            if (stride >= 32 * E) {
-                if (active) {
-                    #pragma unroll
-                    for (int e = 0; e < E; ++e) {
-                        skey[base + e] = key[e];
-                        sidx[base + e] = idx[e];
-                    }
-                }
-                __syncthreads();
-                if (active) {
-                    #pragma unroll
-                    for (int e = 0; e < E; ++e) {
-                        const int q = (base + e) ^ stride;
-                        bitonic_keep(key[e], idx[e], skey[q], sidx[q], base + e, stride, size, by_key);
-                    }
-                }
-                __syncthreads();
-            } else if (!active) {
-                continue;
-            } else if (stride >= E) {
-                const int lanes = stride / E;
+__device__ bool block_radix_sort_desc(K* key, u32* idx, K* key2, u32* idx2, int n, int idx_passes, int key_passes,
+                                      u16* counts, u32* scratch) {
+    const int w = warp_id(), lane = lane_id();
+    const int n_warps = blockDim.x >> 5;
+    const bool active = w * 32 * E < n;  // whole warps
+    const u32 lower = (1u << lane) - 1u;
+    u16* mine = counts + w * 256;
+    bool flipped = false;
+    for (int pass = 0; pass < idx_passes + key_passes; ++pass) {
+        K* src_key = flipped ? key2 : key;
+        u32* src_idx = flipped ? idx2 : idx;
+        const int shift = 8 * (pass < idx_passes ? pass : pass - idx_passes);
+        for (int d = lane; d < 256; d += 32) mine[d] = 0;
+        __syncwarp();
+        u32 rank[E];  // digit << 16 | rank among this warp's pairs of that digit
+        if (active) {
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const int p = w * 32 * E + e * 32 + lane;
+                const u32 d = pass < idx_passes ? (~src_idx[p] >> shift) & 255u : (u32)(src_key[p] >> shift) & 255u;
+                u32 peers = FULL_MASK;
                 #pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const K pk = __shfl_xor_sync(FULL_MASK, key[e], lanes);
-                    const u32 pi = __shfl_xor_sync(FULL_MASK, idx[e], lanes);
-                    bitonic_keep(key[e], idx[e], pk, pi, base + e, stride, size, by_key);
+                for (int b = 0; b < 8; ++b) {
+                    const u32 ones = __ballot_sync(FULL_MASK, (d >> b) & 1u);
+                    peers &= ((d >> b) & 1u) ? ones : ~ones;
                 }
-            } else if (stride == 4) {
-                if constexpr (E > 4) bitonic_in_thread<4>(key, idx, base, size, by_key);
-            } else if (stride == 2) {
-                bitonic_in_thread<2>(key, idx, base, size, by_key);
-            } else {
-                bitonic_in_thread<1>(key, idx, base, size, by_key);
+                rank[e] = d << 16 | (mine[d] + __popc(peers & lower));
+                __syncwarp();
+                if ((peers & lower) == 0) mine[d] += (u16)__popc(peers);
+                __syncwarp();
             }
         }
+        __syncthreads();
+        // Exclusive offsets in (digit descending, warp ascending) order.
+        const int per = (256 * n_warps) / blockDim.x;
+        const int first = threadIdx.x * per;
+        u32 sum = 0;
+        for (int j = first; j < first + per; ++j) sum += counts[(j % n_warps) * 256 + 255 - j / n_warps];
+        u32 total;
+        u32 run = block_exclusive_sum(sum, scratch, &total);
+        for (int j = first; j < first + per; ++j) {
+            u16& c = counts[(j % n_warps) * 256 + 255 - j / n_warps];
+            const u32 here = c;
+            c = (u16)run;
+            run += here;
+        }
+        __syncthreads();
+        K* dst_key = flipped ? key : key2;
+        u32* dst_idx = flipped ? idx : idx2;
+        if (active) {
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const int p = w * 32 * E + e * 32 + lane;
+                const u32 at = mine[rank[e] >> 16] + (rank[e] & 0xFFFFu);
+                dst_key[at] = src_key[p];
+                dst_idx[at] = src_idx[p];
+            }
+        }
+        __syncthreads();
+        flipped = !flipped;
     }
+    return flipped;
 }
 
 }  // namespace hs

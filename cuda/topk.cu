@@ -17,6 +17,7 @@
 //      conservative test on the raw bits sends few elements to the exact key.
 //   3. Many chunks: each block copies its buffer and counts to the workspace;
 //      the last block of the row (atomic ticket) gathers them and finishes.
+//      The ticket only picks which block finishes; the result is the same.
 //   4. Finish: if more than k keys are above T, cut the buffer to the top k
 //      (radix select of the k-th key, then of the last index among its ties).
 //      If fewer, all of them are taken and the k-th key is T: the missing
@@ -25,7 +26,8 @@
 //      If T was too high or the buffer overflowed, the exact k-th key is
 //      found by radix-select passes over the row and step 2 runs again with
 //      it (rare; never on data a sample represents).
-//   5. Sort the k pairs in registers (bitonic), write indices and values.
+//   5. Sort the k pairs (LSD radix sort in shared memory), write indices
+//      and values.
 #include "select.cuh"
 #include "topk_keys.cuh"
 
@@ -40,6 +42,7 @@ constexpr int MAX_CHUNKS = 64;
 constexpr int MAX_SPANS = MAX_CHUNKS * WARPS;
 constexpr int META = 1 + WARPS;  // per chunk: keys above T, then ties per span
 constexpr u32 NO_INDEX = 0xFFFFFFFFu;
+static_assert(WARPS * 256 * sizeof(u16) <= MAX_BINS * sizeof(u32), "the sort's digit counts live in hist");
 
 struct RowShared {
     u32 hist[MAX_BINS];
@@ -113,16 +116,39 @@ __device__ __forceinline__ Pass<D> make_pass(typename D::K T, typename D::K* key
     return Pass<D>{T, pre_bound, key, idx, cap, n_gt};
 }
 
+__device__ __forceinline__ u32 pick4(u32 q, u32 a, u32 b, u32 c, u32 d) {
+    return (q & 2) ? ((q & 1) ? d : c) : ((q & 1) ? b : a);
+}
+
+// Element s (run-time) of x, through selects: indexing x would put it in
+// local memory.
+template <class D>
+__device__ __forceinline__ typename D::Bits slot_bits(const uint4 (&x)[UNROLL], u32 s) {
+    static_assert(UNROLL == 4, "pick4 selects among four vectors");
+    const u32 q = s / D::VEC, e = s % D::VEC;
+    const u32 vx = pick4(q, x[0].x, x[1].x, x[2].x, x[3].x), vy = pick4(q, x[0].y, x[1].y, x[2].y, x[3].y);
+    const u32 vz = pick4(q, x[0].z, x[1].z, x[2].z, x[3].z), vw = pick4(q, x[0].w, x[1].w, x[2].w, x[3].w);
+    if constexpr (sizeof(typename D::Bits) == 8) {
+        return e == 0 ? (((u64)vy << 32) | vx) : (((u64)vw << 32) | vz);
+    } else if constexpr (sizeof(typename D::Bits) == 4) {
+        return pick4(e, vx, vy, vz, vw);
+    } else {
+        const u32 w = pick4(e >> 1, vx, vy, vz, vw);
+        return (u16)((e & 1) ? w >> 16 : w & 0xFFFFu);
+    }
+}
+
 // One step of a warp over its span: UNROLL vectors per lane (or, for the
 // head and tail, one scalar in slot 0 of x[0]). `valid` has a bit per slot
-// u * VEC + e; slot s holds element ibase + u * ustride + e. Keys above T are
-// appended (one atomic per warp), keys equal to T counted in `ties`.
-// All 32 lanes call this.
+// u * VEC + e; slot s holds element ibase + u * ustride + e. A cheap test
+// marks the slots that may hold a key >= T; then, one marked slot per lane
+// per round, keys above T are appended (one atomic per warp) and keys equal
+// to T counted in `ties`. All 32 lanes call this.
 template <class D>
 __device__ __forceinline__ void pass_step(const uint4 (&x)[UNROLL], u32 valid, u32 ibase, u32 ustride,
                                           const Pass<D>& p, u32& ties) {
     typedef typename D::K K;
-    u32 maybe = 0;  // slots that may hold a key >= T
+    u32 maybe = 0;
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         #pragma unroll
@@ -134,37 +160,22 @@ __device__ __forceinline__ void pass_step(const uint4 (&x)[UNROLL], u32 valid, u
         }
     }
     maybe &= valid;
-    u32 above = 0;
-    if (maybe) {
-        #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            #pragma unroll
-            for (int e = 0; e < D::VEC; ++e) {
-                if (maybe & (1u << (u * D::VEC + e))) {
-                    const K key = D::key(lane_bits<D>(x[u], e));
-                    if (key > p.T) above |= 1u << (u * D::VEC + e);
-                    else ties += key == p.T;
-                }
-            }
+    while (__any_sync(FULL_MASK, maybe != 0)) {
+        bool above = false;
+        K key = 0;
+        u32 index = 0;
+        if (maybe) {
+            const u32 s = __ffs(maybe) - 1;
+            maybe &= maybe - 1;
+            key = D::key(slot_bits<D>(x, s));
+            index = ibase + (s / D::VEC) * ustride + s % D::VEC;
+            above = key > p.T;
+            ties += key == p.T;
         }
-    }
-    const u32 count = __popc(above);
-    if (!__any_sync(FULL_MASK, count != 0)) return;
-    const u32 inclusive = warp_inclusive_sum(count);
-    u32 slot = 0;
-    if (lane_id() == 31) slot = atomicAdd(p.n_gt, inclusive);
-    slot = __shfl_sync(FULL_MASK, slot, 31) + inclusive - count;
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        #pragma unroll
-        for (int e = 0; e < D::VEC; ++e) {
-            if (above & (1u << (u * D::VEC + e))) {
-                if (slot < p.cap) {
-                    p.key[slot] = D::key(lane_bits<D>(x[u], e));
-                    p.idx[slot] = ibase + u * ustride + e;
-                }
-                ++slot;
-            }
+        const u32 slot = warp_append(p.n_gt, above);
+        if (above && slot < p.cap) {
+            p.key[slot] = key;
+            p.idx[slot] = index;
         }
     }
 }
@@ -234,7 +245,7 @@ __device__ void run_pass(const typename D::Bits* row, const Layout& L, u32 chunk
     __syncthreads();
 }
 
-// Step 1: the r-th largest of m keys sampled at evenly spaced vectors.
+// Step 1: about the r-th largest of m keys sampled at evenly spaced vectors.
 template <class D>
 __device__ typename D::K sample_threshold(const typename D::Bits* row, const Layout& L, u32 m, u32 r,
                                           typename D::K* skey, RowShared& sh) {
@@ -247,16 +258,28 @@ __device__ typename D::K sample_threshold(const typename D::Bits* row, const Lay
         for (int e = 0; e < D::VEC; ++e) skey[j * D::VEC + e] = D::key(lane_bits<D>(x, e));
     }
     __syncthreads();
+    // Two radix rounds over the top 22 bits; T is the low end of the r-th
+    // largest key's 22-bit bucket, so it is at or below that key.
+    constexpr int TOP = D::W < 22 ? D::W : 22;
     u32 above;
-    return block_kth_largest<K, D::W>([&](u32 i) { return skey[i]; }, [](u32) { return true; }, m, r, sh.hist,
-                                      sh.scratch, sh.found, &above);
+    const K top = block_kth_largest<K, TOP>([&](u32 i) { return (K)(skey[i] >> (D::W - TOP)); },
+                                            [](u32) { return true; }, m, r, sh.hist, sh.scratch, sh.found, &above);
+    return (K)(top << (D::W - TOP));
 }
 
 // Step 3: publish this chunk; the row's last block gathers every chunk's
 // keys above T into its buffer and returns true (others return false).
+// The workspace holds, per (row, chunk) slot: cap keys, then cap indices,
+// then META counts; `done` one ticket counter per row, zero between launches
+// (the last block resets it).
 template <class D>
 __device__ bool gather_chunks(u32 row_id, u32 chunk, u32 chunks, u32 cap, typename D::K* key, u32* idx,
-                              typename D::K* ws_key, u32* ws_idx, u32* ws_meta, u32* done, RowShared& sh) {
+                              unsigned char* ws, u32 rows, u32* done, RowShared& sh) {
+    typedef typename D::K K;
+    const size_t slots = (size_t)rows * chunks;
+    K* ws_key = reinterpret_cast<K*>(ws);
+    u32* ws_idx = reinterpret_cast<u32*>(ws + slots * cap * sizeof(K));
+    u32* ws_meta = ws_idx + slots * cap;
     const size_t first = (size_t)row_id * chunks;
     const u32 mine = min(sh.n_gt, cap);
     for (u32 j = threadIdx.x; j < mine; j += blockDim.x) {
@@ -296,6 +319,7 @@ __device__ bool gather_chunks(u32 row_id, u32 chunk, u32 chunks, u32 cap, typena
     if (threadIdx.x == 0) {
         sh.n_gt = total;
         sh.flag = overflow;
+        done[row_id] = 0;
     }
     __syncthreads();
     return true;
@@ -412,38 +436,35 @@ __device__ void take_ties(const typename D::Bits* row, const Layout& L, typename
     __syncthreads();
 }
 
-// Step 5: sort the k pairs in [0, k) and write them.
+// Step 5: sort the k pairs in [0, k) (key descending then index ascending,
+// or index ascending), through [k_pad, 2 k_pad) of the buffer, and write them.
 template <class D, int E>
-__device__ void sort_and_write(const typename D::Bits* row, u32 k, u32 k_pad, bool by_key, typename D::K* key,
-                               u32* idx, i64* out_idx, typename D::Bits* out_val) {
-    typedef typename D::K K;
-    K mk[E];
-    u32 mi[E];
-    const u32 base = threadIdx.x * E;
-    #pragma unroll
-    for (int e = 0; e < E; ++e) {
-        const u32 p = base + e;
-        mk[e] = p < k ? key[p] : (K)0;
-        mi[e] = p < k ? idx[p] : NO_INDEX;
+__device__ void sort_and_write(const typename D::Bits* row, u32 n, u32 k, u32 k_pad, bool by_key,
+                               typename D::K* key, u32* idx, RowShared& sh, i64* out_idx,
+                               typename D::Bits* out_val) {
+    for (u32 p = k + threadIdx.x; p < k_pad; p += blockDim.x) {  // padding sorts last
+        key[p] = 0;
+        idx[p] = NO_INDEX;
     }
     __syncthreads();
-    block_sort_pairs<E>(mk, mi, (int)k_pad, by_key, key, idx);
-    #pragma unroll
-    for (int e = 0; e < E; ++e) {
-        const u32 p = base + e;
-        if (p < k) {
-            typename D::Bits b;
-            if (!D::bits_of(mk[e], b)) b = row[mi[e]];  // NaN payload or the sign of zero
-            out_idx[p] = mi[e];
-            out_val[p] = b;
-        }
+    const int idx_bits = n > 1 ? 32 - __clz((int)(n - 1)) : 0;
+    if (block_radix_sort_desc<E>(key, idx, key + k_pad, idx + k_pad, (int)k_pad, (idx_bits + 7) / 8,
+                                 by_key ? (D::W + 7) / 8 : 0, reinterpret_cast<u16*>(sh.hist), sh.scratch)) {
+        key += k_pad;
+        idx += k_pad;
+    }
+    for (u32 p = threadIdx.x; p < k; p += blockDim.x) {
+        typename D::Bits b;
+        if (!D::bits_of(key[p], b)) b = row[idx[p]];  // NaN payload or the sign of zero
+        out_idx[p] = idx[p];
+        out_val[p] = b;
     }
 }
 
 template <class D>
-__device__ void topk_row(const typename D::Bits* in, u32 n, u32 k, u32 chunks, u32 cap, u32 sample_m, u32 sample_r,
-                         u32 k_pad, bool by_key, typename D::K* ws_key, u32* ws_idx, u32* ws_meta, u32* done,
-                         i64* out_idx, typename D::Bits* out_val) {
+__device__ void topk_row(const typename D::Bits* in, u32 rows, u32 n, u32 k, u32 chunks, u32 cap, u32 sample_m,
+                         u32 sample_r, u32 k_pad, bool by_key, unsigned char* ws, u32* done, i64* out_idx,
+                         typename D::Bits* out_val) {
     typedef typename D::K K;
     __shared__ RowShared sh;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -459,7 +480,7 @@ __device__ void topk_row(const typename D::Bits* in, u32 n, u32 k, u32 chunks, u
     __syncthreads();
     run_pass<D>(row, L, chunk, make_pass<D>(T, key, idx, cap, &sh.n_gt), sh);
     if (chunks > 1) {
-        if (!gather_chunks<D>(row_id, chunk, chunks, cap, key, idx, ws_key, ws_idx, ws_meta, done, sh)) return;
+        if (!gather_chunks<D>(row_id, chunk, chunks, cap, key, idx, ws, rows, done, sh)) return;
     } else {
         if (threadIdx.x == 0) sh.flag = sh.n_gt > cap;
         __syncthreads();
@@ -485,20 +506,24 @@ __device__ void topk_row(const typename D::Bits* in, u32 n, u32 k, u32 chunks, u
 
     out_idx += (size_t)row_id * k;
     out_val += (size_t)row_id * k;
-    if (k_pad <= 4 * THREADS) sort_and_write<D, 4>(row, k, k_pad, by_key, key, idx, out_idx, out_val);
-    else sort_and_write<D, 8>(row, k, k_pad, by_key, key, idx, out_idx, out_val);
+    if (k_pad <= THREADS) sort_and_write<D, 1>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
+    else if (k_pad <= 2 * THREADS) sort_and_write<D, 2>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
+    else if (k_pad <= 4 * THREADS) sort_and_write<D, 4>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
+    else sort_and_write<D, 8>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
 }
 
 }  // namespace
 
 // Entry points: one grid of rows * chunks blocks of THREADS threads; `cap`
 // buffer entries of dynamic shared memory (cap * (sizeof(K) + 4) bytes).
+// With chunks > 1: `ws` of rows * chunks * (cap * (sizeof(K) + 4) + 4 * META)
+// bytes, `done` rows zeroed words; else both unused.
 #define HS_TOPK_ENTRY(NAME, D)                                                                               \
     extern "C" __global__ void __launch_bounds__(THREADS, 2)                                                  \
-    NAME(const D::Bits* in, u32 n, u32 k, u32 chunks, u32 cap, u32 sample_m, u32 sample_r, u32 k_pad,          \
-         int by_key, D::K* ws_key, u32* ws_idx, u32* ws_meta, u32* done, i64* out_idx, D::Bits* out_val) {    \
-        topk_row<D>(in, n, k, chunks, cap, sample_m, sample_r, k_pad, by_key != 0, ws_key, ws_idx, ws_meta,  \
-                    done, out_idx, out_val);                                                                 \
+    NAME(const D::Bits* in, u32 rows, u32 n, u32 k, u32 chunks, u32 cap, u32 sample_m, u32 sample_r,           \
+         u32 k_pad, int by_key, unsigned char* ws, u32* done, i64* out_idx, D::Bits* out_val) {               \
+        topk_row<D>(in, rows, n, k, chunks, cap, sample_m, sample_r, k_pad, by_key != 0, ws, done, out_idx,  \
+                    out_val);                                                                                \
     }
 #define HS_TOPK_ENTRIES(NAME, D)                 \
     HS_TOPK_ENTRY(topk_##NAME##_largest, D<false>) \

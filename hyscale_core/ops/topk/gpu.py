@@ -66,52 +66,60 @@ def plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
     key_bytes = 8 if itemsize == 8 else 4
     entry = key_bytes + 4
     k_pad = max(128, 1 << (k - 1).bit_length())
-    max_cap = MAX_DYNAMIC_SMEM // entry
+    max_cap = MAX_DYNAMIC_SMEM // entry // 32 * 32
     if n <= SHORT_ROW:
         m = r = 0
-        cap = max(n, k_pad)
+        cap = n
     else:
         m = 1 << max(12, min((n // 64).bit_length() - 1, 14 if key_bytes == 4 else 13))
         r = sample_rank(m, k, n)
         expected, spread = n * r / m, n * math.sqrt(r) / m
-        cap = math.ceil(expected + 6.0 * spread) + 256
-        cap = min(max(cap, k_pad, -(-m * key_bytes // entry)), max_cap)
-    cap = -(-cap // 32) * 32
+        cap = max(math.ceil(expected + 6.0 * spread) + 256, -(-m * key_bytes // entry))
+    # The sort runs through two arrays of k_pad pairs.
+    cap = min(-(-max(cap, 2 * k_pad) // 32) * 32, max_cap)
     chunks = 1
     if n_rows < sms:
         chunks = max(1, min(MAX_CHUNKS, -(-2 * sms // n_rows), n // MIN_CHUNK))
     return Plan(chunks, cap, m, r, k_pad)
 
 
+_TICKETS: dict = {}  # (device, stream) -> uint32 counters, zero between launches on that stream
+
+
+def _tickets(cp, n_rows: int):
+    """Per-row ticket counters for chunked rows: the kernel's last block of a
+    row resets its counter, so the array stays zero between launches on one
+    stream (launches on a stream run in order; each stream has its own)."""
+    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    counters = _TICKETS.get(key)
+    if counters is None or counters.size < n_rows:
+        counters = cp.zeros(max(n_rows, 1024), dtype=cp.uint32)
+        _TICKETS[key] = counters
+    return counters
+
+
 def _launch(cp, rows, k: int, largest: bool, by_key: bool, p: Plan):
     """Run the kernel: ``(values [R, k], indices int64 [R, k])``."""
     n_rows, n = rows.shape
     spec = key_spec(rows.dtype)
-    bits = rows.view(spec.bits_dtype)
-    key_dtype = np.uint64 if spec.width == 64 else np.uint32
+    key_bytes = 8 if spec.width == 64 else 4
     out_idx = cp.empty((n_rows, k), dtype=cp.int64)
     out_val = cp.empty((n_rows, k), dtype=spec.bits_dtype)
     if POISON_OUTPUTS:
         out_idx.fill(-7)
         out_val.fill(0x5A)
-    null = np.uint64(0)
-    ws_key = ws_idx = ws_meta = done = null
+    ws = done = np.uint64(0)
     if p.chunks > 1:
-        slots = n_rows * p.chunks
-        ws_key = cp.empty(slots * p.cap, dtype=key_dtype)
-        ws_idx = cp.empty(slots * p.cap, dtype=cp.uint32)
-        ws_meta = cp.empty(slots * (1 + WARPS), dtype=cp.uint32)
-        done = cp.zeros(n_rows, dtype=cp.uint32)
-    code = _DTYPE_CODES[rows.dtype.name]
+        ws = cp.empty(n_rows * p.chunks * (p.cap * (key_bytes + 4) + 4 * (1 + WARPS)), dtype=cp.uint8)
+        done = _tickets(cp, n_rows)
     name = f"topk_{rows.dtype.name}_{'largest' if largest else 'smallest'}"
-    kernel = get_kernel("topk", name, MAX_DYNAMIC_SMEM, (f"HS_TOPK_DTYPE={code}",))
-    smem = p.cap * (np.dtype(key_dtype).itemsize + 4)
+    kernel = get_kernel("topk", name, MAX_DYNAMIC_SMEM, (f"HS_TOPK_DTYPE={_DTYPE_CODES[rows.dtype.name]}",))
     u32 = np.uint32
     kernel(
         (n_rows * p.chunks,), (THREADS,),
-        (bits, u32(n), u32(k), u32(p.chunks), u32(p.cap), u32(p.sample_m), u32(p.sample_r), u32(p.k_pad),
-         np.int32(by_key), ws_key, ws_idx, ws_meta, done, out_idx, out_val),
-        shared_mem=smem,
+        (rows.view(spec.bits_dtype), u32(n_rows), u32(n), u32(k), u32(p.chunks), u32(p.cap), u32(p.sample_m),
+         u32(p.sample_r), u32(p.k_pad), np.int32(by_key), ws, done, out_idx, out_val),
+        shared_mem=p.cap * (key_bytes + 4),
     )
     return out_val.view(rows.dtype), out_idx
 
