@@ -30,9 +30,10 @@ def main(argv=None) -> None:
         import torch
 
         xs = [cp.from_dlpack(torch.from_dlpack(x).to(torch.bfloat16)) for x in xs]
-    plan = gpu.plan(args.rows, args.n, args.k, itemsize, multiprocessor_count(cp.cuda.Device().id))
+    device = cp.cuda.Device().id
+    plan = gpu.plan(args.rows, args.n, args.k, itemsize, multiprocessor_count(device))
     whole = time_gpu(lambda i: hs.topk(xs[i % n_copies], args.k))
-    kernel = time_gpu(lambda i: gpu._launch(cp, xs[i % n_copies], args.k, True, True, plan))
+    kernel = time_gpu(lambda i: gpu._launch(cp, xs[i % n_copies], args.k, True, True, plan, device))
     cp.cuda.Device().synchronize()
     start = time.perf_counter()
     for i in range(20):

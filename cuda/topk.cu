@@ -44,7 +44,7 @@ constexpr int META = 1 + WARPS;  // per chunk: keys above T, then ties per span
 constexpr u32 NO_INDEX = 0xFFFFFFFFu;
 static_assert(WARPS * 256 * sizeof(u16) <= MAX_BINS * sizeof(u32), "the sort's digit counts live in hist");
 
-struct RowShared {
+struct __align__(16) RowShared {
     u32 hist[MAX_BINS];
     u32 scratch[MAX_WARPS + 1];
     u32 found[2];
@@ -138,28 +138,51 @@ __device__ __forceinline__ typename D::Bits slot_bits(const uint4 (&x)[UNROLL], 
     }
 }
 
-// One step of a warp over its span: UNROLL vectors per lane (or, for the
-// head and tail, one scalar in slot 0 of x[0]). `valid` has a bit per slot
-// u * VEC + e; slot s holds element ibase + u * ustride + e. A cheap test
-// marks the slots that may hold a key >= T; then, one marked slot per lane
-// per round, keys above T are appended (one atomic per warp) and keys equal
-// to T counted in `ties`. All 32 lanes call this.
+// Dense steps (all-equal or sorted rows put most slots at or above T): every
+// marked slot classified in place, one warp scan to append. All lanes call this.
 template <class D>
-__device__ __forceinline__ void pass_step(const uint4 (&x)[UNROLL], u32 valid, u32 ibase, u32 ustride,
-                                          const Pass<D>& p, u32& ties) {
+__device__ __forceinline__ void append_dense(const uint4 (&x)[UNROLL], u32 maybe, u32 ibase, u32 ustride,
+                                             const Pass<D>& p, u32& ties) {
     typedef typename D::K K;
-    u32 maybe = 0;
+    u32 above = 0;
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         #pragma unroll
         for (int e = 0; e < D::VEC; ++e) {
-            bool hit;
-            if constexpr (D::W <= 32) hit = D::pre(lane_top<D>(x[u], e)) - D::NNH >= p.pre_bound;
-            else hit = D::key(lane_bits<D>(x[u], e)) >= p.T;
-            maybe |= (u32)hit << (u * D::VEC + e);
+            if (maybe & (1u << (u * D::VEC + e))) {
+                const K key = D::key(lane_bits<D>(x[u], e));
+                if (key > p.T) above |= 1u << (u * D::VEC + e);
+                else ties += key == p.T;
+            }
         }
     }
-    maybe &= valid;
+    const u32 count = __popc(above);
+    if (!__any_sync(FULL_MASK, count != 0)) return;
+    const u32 inclusive = warp_inclusive_sum(count);
+    u32 slot = 0;
+    if (lane_id() == 31) slot = atomicAdd(p.n_gt, inclusive);
+    slot = __shfl_sync(FULL_MASK, slot, 31) + inclusive - count;
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        #pragma unroll
+        for (int e = 0; e < D::VEC; ++e) {
+            if (above & (1u << (u * D::VEC + e))) {
+                if (slot < p.cap) {
+                    p.key[slot] = D::key(lane_bits<D>(x[u], e));
+                    p.idx[slot] = ibase + u * ustride + e;
+                }
+                ++slot;
+            }
+        }
+    }
+}
+
+// Sparse steps (random rows: a few marked slots per warp): one marked slot
+// per lane per round, appended with one atomic per warp. All lanes call this.
+template <class D>
+__device__ __forceinline__ void append_sparse(const uint4 (&x)[UNROLL], u32 maybe, u32 ibase, u32 ustride,
+                                              const Pass<D>& p, u32& ties) {
+    typedef typename D::K K;
     while (__any_sync(FULL_MASK, maybe != 0)) {
         bool above = false;
         K key = 0;
@@ -178,6 +201,36 @@ __device__ __forceinline__ void pass_step(const uint4 (&x)[UNROLL], u32 valid, u
             p.idx[slot] = index;
         }
     }
+}
+
+// One step of a warp over its span: UNROLL vectors per lane (or, for the
+// head and tail, one scalar in slot 0 of x[0]). `valid` has a bit per slot
+// u * VEC + e; slot s holds element ibase + u * ustride + e. A cheap test
+// marks the slots that may hold a key >= T; of those, keys above T are
+// appended and keys equal to T counted in `ties`, by whichever of the two
+// appends costs less for how many slots the busiest lane marked.
+// All 32 lanes call this.
+template <class D>
+__device__ __forceinline__ void pass_step(const uint4 (&x)[UNROLL], u32 valid, u32 ibase, u32 ustride,
+                                          const Pass<D>& p, u32& ties) {
+    u32 maybe = 0;
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        #pragma unroll
+        for (int e = 0; e < D::VEC; ++e) {
+            bool hit;
+            if constexpr (D::W <= 32) hit = D::pre(lane_top<D>(x[u], e)) - D::NNH >= p.pre_bound;
+            else hit = D::key(lane_bits<D>(x[u], e)) >= p.T;
+            maybe |= (u32)hit << (u * D::VEC + e);
+        }
+    }
+    maybe &= valid;
+    // A sparse round costs about 1/16 of classifying every slot in place
+    // (f32: ~47 against ~430 instructions); break even near half the slots.
+    if (__reduce_max_sync(FULL_MASK, __popc(maybe)) > (u32)(D::VEC * UNROLL / 2))
+        append_dense<D>(x, maybe, ibase, ustride, p, ties);
+    else
+        append_sparse<D>(x, maybe, ibase, ustride, p, ties);
 }
 
 // One scalar per lane (lanes < count): elements first + lane.
@@ -245,7 +298,7 @@ __device__ void run_pass(const typename D::Bits* row, const Layout& L, u32 chunk
     __syncthreads();
 }
 
-// Step 1: about the r-th largest of m keys sampled at evenly spaced vectors.
+// Step 1: the r-th largest of m keys sampled at evenly spaced vectors.
 template <class D>
 __device__ typename D::K sample_threshold(const typename D::Bits* row, const Layout& L, u32 m, u32 r,
                                           typename D::K* skey, RowShared& sh) {
@@ -258,13 +311,11 @@ __device__ typename D::K sample_threshold(const typename D::Bits* row, const Lay
         for (int e = 0; e < D::VEC; ++e) skey[j * D::VEC + e] = D::key(lane_bits<D>(x, e));
     }
     __syncthreads();
-    // Two radix rounds over the top 22 bits; T is the low end of the r-th
-    // largest key's 22-bit bucket, so it is at or below that key.
-    constexpr int TOP = D::W < 22 ? D::W : 22;
+    // Exactly the r-th largest: T is then a key of the row, so a value
+    // repeated across the row stays a tie of T instead of crowding the buffer.
     u32 above;
-    const K top = block_kth_largest<K, TOP>([&](u32 i) { return (K)(skey[i] >> (D::W - TOP)); },
-                                            [](u32) { return true; }, m, r, sh.hist, sh.scratch, sh.found, &above);
-    return (K)(top << (D::W - TOP));
+    return block_kth_largest<K, D::W>([&](u32 i) { return skey[i]; }, [](u32) { return true; }, m, r, sh.hist,
+                                      sh.scratch, sh.found, &above);
 }
 
 // Step 3: publish this chunk; the row's last block gathers every chunk's

@@ -33,6 +33,9 @@ def adversarial(kind: str, shape, dtype, rng):
         return np.full(shape, 1.5, dtype=np.float64).astype(dtype)
     if kind == "few_distinct":
         return rng.integers(-3, 4, size=shape).astype(dtype)
+    if kind == "few_distinct_odd":  # repeated values whose keys differ in their low bits
+        scale = 1001 if np.dtype(dtype).kind == "i" else 1.2345678
+        return (rng.integers(-3, 4, size=shape) * scale + 7).astype(dtype)
     if kind == "ascending":
         return np.sort(rng.standard_normal(shape), axis=-1).astype(dtype)
     if kind == "descending":
@@ -60,7 +63,8 @@ def test_random_rows_match_cpu(dtype, rows, n, k):
     check_gpu_equals_cpu(a, k, largest=False, sort_output=False)
 
 
-@pytest.mark.parametrize("kind", ["all_equal", "few_distinct", "ascending", "descending", "uniform"])
+@pytest.mark.parametrize("kind", ["all_equal", "few_distinct", "few_distinct_odd", "ascending", "descending",
+                                  "uniform"])
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16, np.int64], ids=["float32", "bfloat16", "int64"])
 @pytest.mark.parametrize("rows, n, k", [(8, 131_072, 2048), (2, 1 << 20, 256), (256, 5000, 4096)])
 def test_adversarial_rows_match_cpu(kind, dtype, rows, n, k):

@@ -9,6 +9,7 @@ sort-based path of ``gpu_sort``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -61,8 +62,19 @@ def sample_rank(m: int, k: int, n: int) -> int:
     return int(min(m, math.ceil(mean + 4.0 * math.sqrt(mean) + 3.0)))
 
 
+_PLANS: dict = {}
+
+
 def plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
-    """Launch parameters for ``k <= SORT_CAP`` of rows of length ``n``."""
+    """Launch parameters for ``k <= SORT_CAP`` of rows of length ``n`` (memoized)."""
+    key = (n_rows, n, k, itemsize, sms, sample_rank)
+    found = _PLANS.get(key)
+    if found is None:
+        found = _PLANS[key] = _plan(n_rows, n, k, itemsize, sms)
+    return found
+
+
+def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
     key_bytes = 8 if itemsize == 8 else 4
     entry = key_bytes + 4
     k_pad = max(128, 1 << (k - 1).bit_length())
@@ -86,11 +98,18 @@ def plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
 _TICKETS: dict = {}  # (device, stream) -> uint32 counters, zero between launches on that stream
 
 
-def _tickets(cp, n_rows: int):
+@functools.lru_cache(maxsize=None)
+def _kernel(dtype_name: str, largest: bool, device: int):
+    """The entry point of one dtype and direction, compiled for ``device``."""
+    name = f"topk_{dtype_name}_{'largest' if largest else 'smallest'}"
+    return get_kernel("topk", name, MAX_DYNAMIC_SMEM, (f"HS_TOPK_DTYPE={_DTYPE_CODES[dtype_name]}",))
+
+
+def _tickets(cp, n_rows: int, device: int):
     """Per-row ticket counters for chunked rows: the kernel's last block of a
     row resets its counter, so the array stays zero between launches on one
     stream (launches on a stream run in order; each stream has its own)."""
-    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    key = (device, cp.cuda.get_current_stream().ptr)
     counters = _TICKETS.get(key)
     if counters is None or counters.size < n_rows:
         counters = cp.zeros(max(n_rows, 1024), dtype=cp.uint32)
@@ -98,8 +117,8 @@ def _tickets(cp, n_rows: int):
     return counters
 
 
-def _launch(cp, rows, k: int, largest: bool, by_key: bool, p: Plan):
-    """Run the kernel: ``(values [R, k], indices int64 [R, k])``."""
+def _launch(cp, rows, k: int, largest: bool, by_key: bool, p: Plan, device: int):
+    """Run the kernel on ``device`` (the current one): ``(values [R, k], indices int64 [R, k])``."""
     n_rows, n = rows.shape
     spec = key_spec(rows.dtype)
     key_bytes = 8 if spec.width == 64 else 4
@@ -111,9 +130,8 @@ def _launch(cp, rows, k: int, largest: bool, by_key: bool, p: Plan):
     ws = done = np.uint64(0)
     if p.chunks > 1:
         ws = cp.empty(n_rows * p.chunks * (p.cap * (key_bytes + 4) + 4 * (1 + WARPS)), dtype=cp.uint8)
-        done = _tickets(cp, n_rows)
-    name = f"topk_{rows.dtype.name}_{'largest' if largest else 'smallest'}"
-    kernel = get_kernel("topk", name, MAX_DYNAMIC_SMEM, (f"HS_TOPK_DTYPE={_DTYPE_CODES[rows.dtype.name]}",))
+        done = _tickets(cp, n_rows, device)
+    kernel = _kernel(rows.dtype.name, largest, device)
     u32 = np.uint32
     kernel(
         (n_rows * p.chunks,), (THREADS,),
@@ -135,5 +153,6 @@ def topk_rows(rows, k: int, largest: bool, sort_output: bool):
         return rows.copy(), indices
     if k == n or k > SORT_CAP or n >= 1 << 31:
         return gpu_sort.topk_rows(cp, rows, k, largest, sort_output)
-    p = plan(n_rows, n, k, rows.dtype.itemsize, multiprocessor_count(cp.cuda.Device().id))
-    return _launch(cp, rows, k, largest, sort_output, p)
+    device = cp.cuda.Device().id
+    p = plan(n_rows, n, k, rows.dtype.itemsize, multiprocessor_count(device))
+    return _launch(cp, rows, k, largest, sort_output, p, device)
