@@ -25,7 +25,7 @@
 //      only the spans that hold them, in index order.
 //      If T was too high or the buffer overflowed, the exact k-th key is
 //      found by radix-select passes over the row and step 2 runs again with
-//      it (rare; never on data a sample represents).
+//      it (rare: only when the sample misrepresents the row).
 //   5. Sort the k pairs (LSD radix sort in shared memory), write indices
 //      and values.
 #include "select.cuh"
