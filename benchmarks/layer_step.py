@@ -7,8 +7,10 @@ the block, then back-propagates): RMSNorm, q and latent-kv projections,
 RoPE on the last 64 dims, ``hs.sparse_attention`` (h = 64, d_qk = 576,
 d_v = 512, k = 2048), the output projection, the lightning indexer's
 projections (H_I = 64 as DeepSeek-V3.2 or 32 as GLM-5, d_I = 128; input
-detached) with its KL loss, and a SwiGLU MLP. Activations and parameters are
-float32; the indexer kernels round q and k to bfloat16 as DSA's do.
+detached) with its KL loss, and a SwiGLU MLP. Parameters and activations
+are float32 except the sparse attention's q, kv and out (bfloat16 by
+default: the GPU tensor-core kernels); the indexer kernels round q and k to
+bfloat16 as DSA's do.
 Implementations differ only in where the selection comes from:
 
 * ``hyscale``: ``hs.indexer_topk`` (streaming, exact) in the forward; the
@@ -114,7 +116,11 @@ class Device:
             self.xp.cuda.Device().synchronize()  # covers torch's kernels: same device, legacy stream
 
     def free_bytes(self) -> int:
-        return self.xp.cuda.runtime.memGetInfo()[0] if self.gpu else 1 << 62
+        """Device memory free once the allocators' caches are given back."""
+        if not self.gpu:
+            return 1 << 62
+        self.recover()
+        return self.xp.cuda.runtime.memGetInfo()[0]
 
     def start_memory(self) -> None:
         if self.gpu:
@@ -128,7 +134,7 @@ class Device:
             tracemalloc.reset_peak()
 
     def recover(self) -> None:
-        """After a failed step: give back cached memory and stop tracing."""
+        """Give back the allocators' cached memory (and stop tracing, after a failed step)."""
         if self.gpu:
             self.xp.get_default_memory_pool().free_all_blocks()
             if self.torch is not None:
@@ -174,7 +180,7 @@ def build(args, index_heads: int, dev: Device, made: dict):
 
     cfg = DSAConfig(vocab=1, d_model=args.d_model, n_layers=1, heads=args.heads, d_v=args.d_v,
                     rope_dim=args.rope_dim, d_ff=args.d_ff, index_heads=index_heads, index_dim=args.index_dim,
-                    topk=args.topk)
+                    topk=args.topk, attention_dtype=args.attention_dtype)
     if cfg.d_qk != args.d_qk:
         raise SystemExit(f"--d-qk {args.d_qk} must be --d-v + --rope-dim = {cfg.d_qk}")
     made[index_heads] = DSABlock(cfg, "layer0", np.random.default_rng(0), dev.xp), cfg
@@ -182,11 +188,14 @@ def build(args, index_heads: int, dev: Device, made: dict):
 
 
 def activation_bytes(n: int, cfg) -> int:
-    """Float32 bytes the step holds at its peak, about: the attention backward,
-    with q and out saved and their gradients made ([N, h, d_qk] and [N, h, d_v]
-    twice each), plus the index table and attention probabilities and 8 GiB
-    for chunk temporaries and the baseline's score chunks."""
-    return 4 * n * cfg.heads * 2 * (cfg.d_qk + cfg.d_v) + 8 * n * cfg.topk + (8 << 30)
+    """Bytes the step holds at its peak, about: in the backward, the attention's
+    saved q and out (attention dtype), the output projection's saved float32
+    input and its gradient, float32 dq twice (the cast and RoPE's copy), the
+    index table and probabilities, and 8 GiB for chunk temporaries and the
+    baseline's score chunks."""
+    itemsize = 2 if cfg.attention_dtype in ("bfloat16", "float16") else 4
+    per_token = cfg.heads * (itemsize * (cfg.d_qk + cfg.d_v) + 4 * (2 * cfg.d_v + 2 * cfg.d_qk))
+    return n * per_token + 8 * n * cfg.topk + (8 << 30)
 
 
 def selectors(impl: str, cfg, dev: Device, chunk: int, spent: list[float]):
@@ -274,7 +283,7 @@ def measure(args, dev: Device, n: int, index_heads: int, clock: dict, last: dict
         last[impl] = (n, step_s, sel_s)
         config = {"n": n, "index_heads": index_heads, "index_dim": cfg.index_dim, "heads": cfg.heads,
                   "d_qk": cfg.d_qk, "d_v": cfg.d_v, "topk": cfg.topk, "d_model": cfg.d_model, "d_ff": cfg.d_ff,
-                  "dtype": "float32", "repeats": args.repeats}
+                  "attention_dtype": cfg.attention_dtype, "repeats": args.repeats}
         label = baseline_label(dev) if impl == BASELINE else impl
         rows.append({"bench": "layer_step", "config": config, "impl": label, "kind": impl,
                      "median_ms": round(step_s * 1e3, 1), "selection_ms": round(sel_s * 1e3, 1),
@@ -351,6 +360,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--d-model", type=int, default=1536, help="the block's width (MLA's q input is 1536 wide)")
     p.add_argument("--d-ff", type=int, default=4096)
+    p.add_argument("--attention-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="q, kv, out of the sparse attention (bfloat16: the GPU kernels); the rest is float32")
     p.add_argument("--impls", nargs="+", default=[BASELINE, HYSCALE], choices=[BASELINE, HYSCALE, NO_REPLAY])
     p.add_argument("--repeats", type=int, default=1, help="steps per implementation and shape (median)")
     p.add_argument("--chunk", type=int, default=128, help="query chunk of the materialised baseline")

@@ -65,6 +65,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     p.add_argument("--out", type=Path, default=Path("tiny_dsa_out"), help="folder for history, params, plot")
     p.add_argument("--log", type=Path, help="write the trained model's selections to this HDF5 SelectionLog")
+    p.add_argument("--log-append", action="store_true", help="add to an existing log instead of replacing it")
     p.add_argument("--log-samples", type=int, default=4, help="rollout samples in the log")
     p.add_argument("--log-sequences", type=int, default=16, help="sequences packed in one logged sample")
     p.add_argument("--log-length", type=int, help="sequence length of the rollout (default --length)")
@@ -172,15 +173,15 @@ def write_log(path: Path, args, model: TinyDSA, xp) -> None:
 
     task = NeedleTask(length=args.log_length, fillers=256)
     rng = np.random.default_rng(args.seed + 3)
-    with SelectionLog(path, "w") as log:
-        for sample in range(args.log_samples):
+    with SelectionLog(path, "a" if args.log_append else "w") as log:
+        for i in range(args.log_samples):
+            sample = f"L{task.length}-top{args.log_topk}-{i}"
             batch = task.batch(rng, args.log_sequences)
             _, selector = run_model(model, batch, args.log_topk, xp)
             for block in model.blocks:
-                log.append(f"rollout-{sample}", block.name, selector.store.selection(block.name),
-                           cu_seqlens=batch.cu_seqlens)
-            print(f"  rollout-{sample}: needle recall {needle_recall(selector.store.selection('layer0'), batch):.2f}",
-                  flush=True)
+                log.append(sample, block.name, selector.store.selection(block.name), cu_seqlens=batch.cu_seqlens)
+            recall = " ".join(f"{needle_recall(selector.store.selection(b.name), batch):.2f}" for b in model.blocks)
+            print(f"  {sample}: needle recall per layer {recall}", flush=True)
     n = args.log_sequences * task.length
     print(f"wrote {path}: {args.log_samples} samples x {len(model.blocks)} layers, selections int32 [{n}, "
           f"{args.log_topk}] ({args.log_sequences} packed sequences of {task.length})")
@@ -199,7 +200,8 @@ def plot(history: list[dict], args, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     left.plot(steps, [h["loss"] for h in history], "o-", label=f"eval (L={args.length}, top-{args.topk})")
     trained = [h for h in history if "train_loss" in h]
-    left.plot([h["step"] for h in trained], [h["train_loss"] for h in trained], ".--", label="train batch")
+    left.plot([h["step"] for h in trained], [h["train_loss"] for h in trained], ".--",
+              label=f"train batch (L={args.warmup_length} dense, then L={args.length})")
     left.set(xlabel="step", ylabel="cross-entropy", title="loss")
     for layer in range(len(history[0]["recall"])):
         right.plot(steps, [h["recall"][layer] for h in history], "o-", label=f"needle recall, layer {layer}")
@@ -209,6 +211,8 @@ def plot(history: list[dict], args, path: Path) -> None:
     for ax in (left, right):
         if 0 < args.warmup_steps < args.steps:
             ax.axvline(args.warmup_steps, color="grey", lw=0.8)
+            ax.text(args.warmup_steps, 0.5, " dense | sparse ", transform=ax.get_xaxis_transform(), ha="center",
+                    fontsize=7, color="grey", backgroundcolor="white")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

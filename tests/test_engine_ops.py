@@ -222,3 +222,15 @@ def test_attention_functions_gradients():
         down = value()
         scores.data[t, i] = keep
         assert analytic[t, i] == pytest.approx((up - down) / 2e-6, rel=1e-5, abs=1e-8), f"scores_at[{t}, {i}]"
+
+
+def test_cast_rounds_forward_and_returns_the_gradient_in_the_input_dtype():
+    from hyscale_core._dtypes import bfloat16
+
+    x = Tensor(np.array([1.0, 1 + 2**-9, -3.0e-3], dtype=np.float32), requires_grad=True)
+    y = ops.Cast.apply(x, dtype=bfloat16)
+    rounded = float(np.float32(-3.0e-3).astype(bfloat16))
+    assert y.dtype == bfloat16 and y.data.astype(np.float32).tolist() == [1.0, 1.0, rounded]
+    backward(y, np.array([0.5, 2.0, 1 + 2**-9], dtype=bfloat16))
+    assert x.grad.dtype == np.float32 and x.grad.tolist() == [0.5, 2.0, 1.0]
+    assert ops.cast(x.data, np.float32) is x.data

@@ -2,6 +2,8 @@
 top-k, checks fingerprints, and gives bitwise the gradients of no checkpointing."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -23,9 +25,9 @@ def batch(n=40, seed=0):
     return ids, rows, rng.integers(0, CFG.vocab, rows.size)
 
 
-def gradients(recompute: bool, xp=np, data=None):
-    model = TinyDSA(CFG, seed=1, xp=xp)
-    selector = LiveSelection(CFG.topk)
+def gradients(recompute: bool, xp=np, data=None, cfg=CFG):
+    model = TinyDSA(cfg, seed=1, xp=xp)
+    selector = LiveSelection(cfg.topk)
     loss, total, kls, _ = model.forward(*(xp.asarray(a) for a in data or batch()), selector, recompute=recompute)
     calls_after_forward = selector.calls
     backward(loss)
@@ -171,3 +173,14 @@ def test_checksum_is_the_same_on_the_gpu():
 
     table = np.random.default_rng(6).integers(-1, 1 << 30, (5000, 64)).astype(np.int32)
     assert checksum(cp.asarray(table)) == checksum(table)
+
+
+def test_bfloat16_attention_replays_bitwise_and_stays_near_float32():
+    """attention_dtype='bfloat16' (the GPU kernels' operands) inside the float32 model."""
+    cfg16 = dataclasses.replace(CFG, attention_dtype="bfloat16")
+    plain, *_ = gradients(recompute=False, cfg=cfg16)
+    replayed, *_ = gradients(recompute=True, cfg=cfg16)
+    f32, *_ = gradients(recompute=False)
+    for name, grad in plain.items():
+        assert grad.dtype == np.float32 and grad.tobytes() == replayed[name].tobytes(), name
+        assert np.linalg.norm(grad - f32[name]) <= 0.05 * np.linalg.norm(f32[name]), name

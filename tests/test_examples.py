@@ -33,16 +33,26 @@ def test_train_tiny_dsa_quick_learns_saves_and_logs(tmp_path):
     with np.load(tmp_path / "params.npz") as params:
         assert params["embed"].shape == (config["model"]["vocab"], config["model"]["d_model"])
     with SelectionLog(tmp_path / "rollout.h5") as log:
-        assert log.samples() == ["rollout-0", "rollout-1"]
-        info = log.info("rollout-0", "layer0")
+        assert log.samples() == ["L64-top8-0", "L64-top8-1"]
+        info = log.info("L64-top8-0", "layer0")
         assert info.shape == (4 * 64, 8) and info.causal and list(info.cu_seqlens) == [0, 64, 128, 192, 256]
-    with LogReplaySource(tmp_path / "rollout.h5", "rollout-1") as source:
+    with LogReplaySource(tmp_path / "rollout.h5", "L64-top8-1") as source:
         table = source.selection("layer0")  # fingerprint-checked
     assert table.dtype == np.int32 and ((table >= -1) & (table < 256)).all()
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "curves.png").stat().st_size > 0
     else:
         assert "matplotlib is not installed" in done.stdout
+    # the replay diagnostic loads what the example saved
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks import replay_drift
+
+    replay_drift.main(["--model", str(tmp_path), "--length", "64", "--sequences", "2", "--batches", "1",
+                       "--dsa-n", "0", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "replay_drift.json").read_text())["rows"]
+    assert rows[0]["impl"] == "replay (HyScale)" and rows[0]["bitwise"] and rows[0]["config"]["model"].startswith(
+        "trained")
 
 
 def test_jax_dlpack_example():

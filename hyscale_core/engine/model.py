@@ -15,7 +15,11 @@ from .tensor import Tensor
 
 @dataclass(frozen=True)
 class DSAConfig:
-    """Sizes of a DSA model. d_qk = d_v + rope_dim (MLA's latent + rope part)."""
+    """Sizes of a DSA model. d_qk = d_v + rope_dim (MLA's latent + rope part).
+
+    attention_dtype: the dtype of the sparse attention's q, kv and out
+    ("bfloat16" runs the GPU tensor-core kernels); the rest stays float32.
+    """
 
     vocab: int = 64
     d_model: int = 64
@@ -28,10 +32,17 @@ class DSAConfig:
     index_dim: int = 16
     topk: int = 16
     kl_weight: float = 1.0
+    attention_dtype: str = "float32"
 
     @property
     def d_qk(self) -> int:
         return self.d_v + self.rope_dim
+
+
+def _dtype(name: str) -> np.dtype:
+    from .._dtypes import bfloat16
+
+    return np.dtype(bfloat16 if name == "bfloat16" else name)
 
 
 def _param(xp, rng, shape, scale, name):
@@ -90,8 +101,10 @@ class DSABlock:
         q = ops.Reshape.apply(ops.MatMul.apply(h, p["wq"]), shape=(n, cfg.heads, cfg.d_qk))
         q = ops.RoPETail.apply(q, cos, sin)
         kv = ops.RoPETail.apply(ops.MatMul.apply(h, p["wkv"]), cos, sin)
-        attn = SparseAttention.apply(q, kv, indices, d_v=cfg.d_v)
-        flat = ops.Reshape.apply(attn, shape=(n, cfg.heads * cfg.d_v))
+        dtype = _dtype(cfg.attention_dtype)
+        attn = SparseAttention.apply(ops.Cast.apply(q, dtype=dtype), ops.Cast.apply(kv, dtype=dtype), indices,
+                                     d_v=cfg.d_v)
+        flat = ops.Reshape.apply(ops.Cast.apply(attn, dtype=np.float32), shape=(n, cfg.heads * cfg.d_v))
         x = ops.Add.apply(x, ops.MatMul.apply(flat, p["wo"]))
         probs = attn.aux["probs"]
         if kl_rows is not None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .._backend import array_module
 from .tensor import Function, Tensor
 
@@ -203,3 +205,31 @@ class TakeRows(Function):
 def swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
     """SwiGLU MLP: (SiLU(x @ w1) * (x @ w3)) @ w2; x [..., d], w1/w3 [d, f], w2 [f, d]."""
     return MatMul.apply(Mul.apply(SiLU.apply(MatMul.apply(x, w1)), MatMul.apply(x, w3)), w2)
+
+
+def cast(x: Any, dtype: Any) -> Any:
+    """x as ``dtype`` (float16/32/64 or ml_dtypes bfloat16), on x's backend; a no-op
+    when it already is. bfloat16 rounds to nearest even (CuPy: by bits)."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    if array_module(x) is np:
+        return x.astype(dtype)
+    from ..gpu.convert import narrow, widen
+
+    return narrow(widen(x, np.float32), dtype) if dtype.itemsize < 4 else widen(x, dtype)
+
+
+class Cast(Function):
+    """x converted to ``dtype``; the gradient is converted back to x's dtype (e.g.
+    bfloat16 operands for the attention kernels inside a float32 model)."""
+
+    def forward(self, x, dtype: Any = None):
+        self.save(x.dtype)
+        return cast(x, dtype)
+
+    def backward(self, g):
+        (dtype,) = self.saved
+        return (cast(g, dtype),)
