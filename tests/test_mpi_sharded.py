@@ -23,6 +23,8 @@ RANKS = Path(__file__).with_name("mpi_ranks.py")
 TIMEOUT_S = 120
 THREADS = {name: "1" for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                   "MKL_NUM_THREADS")}
+# Open MPI refuses to start as root without these (MPICH ignores them).
+OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def run_ranks(n_ranks: int, out: Path, *groups: str) -> subprocess.CompletedProcess:
@@ -33,6 +35,8 @@ def run_ranks(n_ranks: int, out: Path, *groups: str) -> subprocess.CompletedProc
     cmd = [exe, "-n", str(n_ranks), sys.executable, str(RANKS), str(out), *groups]
     path = os.pathsep.join([str(RANKS.parent), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, **THREADS, "PYTHONPATH": path}
+    if os.geteuid() == 0:
+        env.update(OPEN_MPI_AS_ROOT)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
