@@ -246,7 +246,8 @@ def main(argv=None) -> int:
     print(f"eval loss {first['loss']:.3f} -> {last['loss']:.3f}; needle recall "
           f"{max(first['recall']):.2f} -> {max(last['recall']):.2f} (best layer); wrote {args.out}/history.json, "
           f"params.npz, config.json")
-    plot(history, args, args.out / "curves.png")
+    if args.steps:
+        plot(history, args, args.out / "curves.png")
     if args.log:
         write_log(args.log, args, model, xp)
     return 0
