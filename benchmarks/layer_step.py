@@ -27,7 +27,8 @@ synchronised around each selection, so selection_ms is that time);
 selection_share = selection_ms / median_ms; peak_extra_gib, the device
 memory the step took beyond its inputs and parameters (GPU: CuPy pool
 high-water plus torch's reserved peak; CPU: tracemalloc's peak of NumPy
-allocations); speedup = baseline / this implementation at the same shape.
+allocations, whose bookkeeping the CPU times include); speedup = baseline /
+this implementation at the same shape.
 
 A time budget (``--budget-s``) skips a configuration whose time, predicted
 from the last one measured, would not fit; sizes whose float32 activations
