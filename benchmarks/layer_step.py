@@ -77,6 +77,11 @@ def torch_materialised(torch, chunk: int) -> Callable[..., Any]:
             scores.masked_fill_(torch.arange(t1, device=tq.device)[None, :] > rows, float("-inf"))
             values, idx = torch.topk(scores, min(topk, t1))
             out[t0:t1, :idx.shape[1]] = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
+        # Every chunk's temporaries are larger than the last one's, so torch's
+        # caching allocator can reuse none of them and would keep them all,
+        # starving the CuPy-allocated rest of the layer: hand them back.
+        del logits, scores, values, idx
+        torch.cuda.empty_cache()
         return cp.from_dlpack(out)
 
     return select
