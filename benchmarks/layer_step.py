@@ -80,7 +80,6 @@ def torch_materialised(torch, chunk: int) -> Callable[..., Any]:
         # Every chunk's temporaries are larger than the last one's, so torch's
         # caching allocator can reuse none of them and would keep them all,
         # starving the CuPy-allocated rest of the layer: hand them back.
-        del logits, scores, values, idx
         torch.cuda.empty_cache()
         return cp.from_dlpack(out)
 
