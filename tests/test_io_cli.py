@@ -53,6 +53,17 @@ def test_inspect_lists_entries_sizes_and_checks(logs, capsys):
     assert "raw int32 56.2 KiB" in out and "ratio" in out
 
 
+def test_inspect_shows_each_entry_encoding(tmp_path, capsys):
+    table = causal_selection(np.random.default_rng(0), 300, 16)
+    for mode, encoding in (("w", "int32-v1"), ("a", "sorted-gaps-lehmer-v1")):
+        with SelectionLog(tmp_path / "a.h5", mode, encoding=encoding) as log:
+            log.append(0, encoding, table)
+    assert main(["log", "inspect", str(tmp_path / "a.h5")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[5] == "encoding"
+    assert [line.split()[1] for line in lines[3:5]] == [line.split()[6] for line in lines[3:5]]
+
+
 def test_inspect_reports_corruption_and_incomplete(logs, tmp_path, capsys):
     a, _, _ = logs
     with h5py.File(a, "r+") as f:

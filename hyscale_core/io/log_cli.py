@@ -47,7 +47,7 @@ def _fail(command: str, exc: Exception) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    """Print a log's samples, layers, shapes, sizes, compression and fingerprint checks."""
+    """Print a log's samples, layers, shapes, encodings, sizes, compression and fingerprint checks."""
     from .selection_log import SelectionLog
 
     try:
@@ -64,11 +64,11 @@ def inspect(args: argparse.Namespace) -> int:
             check, passed = _check(log, e, args.verify)
             ok &= passed
             rows.append([e.sample, e.layer, f"[{e.n_queries}, {e.k}]", str(e.n_keys), "yes" if e.causal else "no",
-                         _size(e.stored_bytes), _size(e.raw_bytes), f"{100 * e.ratio:.1f}%",
+                         e.encoding, _size(e.stored_bytes), _size(e.raw_bytes), f"{100 * e.ratio:.1f}%",
                          f"{e.stored_bytes / max(e.n_queries, 1):.1f}", check])
         print(f"{len(entries)} selections in {len(log.samples())} samples")
-        print(_table(rows, ["sample", "layer", "shape", "n_keys", "causal", "stored", "raw int32", "ratio",
-                            "B/token", "fingerprint"]))
+        print(_table(rows, ["sample", "layer", "shape", "n_keys", "causal", "encoding", "stored", "raw int32",
+                            "ratio", "B/token", "fingerprint"]))
         stored, raw = sum(e.stored_bytes for e in entries), sum(e.raw_bytes for e in entries)
         print(f"total: stored {_size(stored)}, raw int32 {_size(raw)}, ratio {100 * stored / max(raw, 1):.1f}%")
         for sample, layer in log.incomplete_entries():
@@ -136,7 +136,8 @@ def add_commands(sub: Any) -> None:
     """Add the ``log`` command group to the ``hyscale`` subparsers ``sub``."""
     group = sub.add_parser("log", help="selection logs (HDF5): inspect, diff")
     log_sub = group.add_subparsers(dest="log_command", required=True)
-    p = log_sub.add_parser("inspect", help="samples, layers, shapes, sizes, compression, fingerprint check")
+    p = log_sub.add_parser("inspect", help="samples, layers, shapes, encodings, sizes, compression, "
+                                                  "fingerprint check")
     p.add_argument("file")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip reading every selection back against its fingerprint")

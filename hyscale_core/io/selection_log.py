@@ -8,12 +8,21 @@ exactly those selections back. The file is plain HDF5:
                                   format_version = 1, complete, created,
                                   hyscale_version (of the writer that made it)
     /samples/<sample>/<layer>
-        count, first, gaps, lehmer   the encoded table (codec.py), chunked
-                                     along its rows; shuffle + deflate +
-                                     fletcher32 on every chunk
+        the table's datasets         in the entry's encoding (encodings.py):
+                                     count, first, gaps, lehmer for
+                                     "sorted-gaps-lehmer-v1", table for
+                                     "int32-v1"; chunked along its rows,
+                                     shuffle + deflate + fletcher32 on
+                                     every chunk
         q_pos, cu_seqlens            int64, only when given to append
         attrs  n_queries, k, n_keys, causal, fingerprint, encoding,
                hyscale_version, created, chunk_rows, appended
+
+Each entry is stored in the smaller of the two encodings unless the writer
+asks for one (see encodings.py for the rule and its cost). format_version
+stays 1 with the second encoding: the layout is unchanged and the entry's
+``encoding`` attribute, there since version 1, names how it is stored; a
+reader that does not know an entry's encoding refuses that entry by name.
 
 Safety contract:
 
@@ -44,17 +53,17 @@ from .. import __version__
 from .._backend import GPU, as_array
 from .._checks import check_dtype, check_int, check_ndim
 from ..ops.indexer.ranges import candidate_ranges
-from . import codec
+from . import encodings
 from .entry import EntryInfo, FingerprintMismatchError, IncompleteLogError, SelectionLogError
 from .fingerprint import fingerprint
 
 FORMAT = "hyscale-selection-log"
 FORMAT_VERSION = 1
 DEFAULT_CHUNK_ROWS = 1024
-MAX_CHUNK_BYTES = 64 << 20  # far below HDF5's 4 GiB chunk limit
 _SAMPLES = "samples"
 _MODES = ("r", "w", "x", "a")
 _ENTRY_ATTRS = ("n_queries", "k", "n_keys", "causal", "fingerprint", "encoding", "hyscale_version", "created")
+_MASKS = ("q_pos", "cu_seqlens")
 
 
 def entry_name(value: Any, what: str) -> str:
@@ -119,22 +128,6 @@ def _host_ints(value: Any, name: str) -> np.ndarray | None:
     return np.asarray(array.get() if backend == GPU else array, dtype=np.int64)
 
 
-def _chunk_rows(encoded: codec.Encoded, chunk_rows: int, n: int) -> int:
-    widest_row = max(a.nbytes // max(n, 1) for a in encoded.arrays().values())
-    return max(1, min(chunk_rows, n, MAX_CHUNK_BYTES // max(widest_row, 1)))
-
-
-def _write_array(group: h5py.Group, name: str, data: np.ndarray, axis: int, rows: int, level: int) -> None:
-    """One dataset, chunked ``rows`` table rows at a time along ``axis``."""
-    if data.size == 0:  # HDF5 has no chunks of size 0; nothing to compress
-        group.create_dataset(name, data=data)
-        return
-    chunks = list(data.shape)
-    chunks[axis] = min(rows, data.shape[axis])
-    group.create_dataset(name, data=data, chunks=tuple(chunks), shuffle=True, compression="gzip",
-                         compression_opts=level, fletcher32=True)
-
-
 class SelectionLog:
     """An HDF5 selection log, opened like a file (``with SelectionLog(...)``).
 
@@ -150,16 +143,25 @@ class SelectionLog:
     compression_level : deflate level 0-9 for new entries (default 4).
     chunk_rows : table rows per HDF5 chunk for new entries (default 1024);
         reading rows [a, b) touches only the chunks holding them.
+    encoding : how new entries are stored: "auto" (default) the smaller of
+        "sorted-gaps-lehmer-v1" and "int32-v1" for each entry (the rule and
+        its cost: encodings.py), or one of those two for every entry.
+        Reading takes every entry in whichever encoding it was written.
     """
 
     def __init__(self, path: str | os.PathLike, mode: str = "r", *, allow_incomplete: bool = False,
-                 compression_level: int = 4, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> None:
+                 compression_level: int = 4, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                 encoding: str = encodings.AUTO) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
+        if encoding != encodings.AUTO and encoding not in encodings.ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(map(repr, [encodings.AUTO, *encodings.ENCODINGS]))}"
+                             f", got {encoding!r}")
         self.path = Path(os.fspath(path))
         self.mode = mode
         self.compression_level = check_int(compression_level, "compression_level", 0, 9)
         self.chunk_rows = check_int(chunk_rows, "chunk_rows", 1)
+        self.encoding = encoding
         new = mode in ("w", "x") or (mode == "a" and not self.path.exists())
         self._file = self._open(mode)
         try:
@@ -241,7 +243,8 @@ class SelectionLog:
         returned it for ``causal``, ``q_pos``, ``cu_seqlens`` over ``n_keys``
         keys (default N: self-attention). Every entry must be -1 or a key its
         query may select under those masks. Each (sample, layer) is written
-        once; one left half-written by a crashed writer is replaced.
+        once; one left half-written by a crashed writer is replaced. The
+        returned EntryInfo names the encoding the table was stored in.
         """
         if self.mode == "r":
             raise ValueError(f"{self.path} is open for reading (mode 'r'); open it with mode 'a' to append")
@@ -249,16 +252,16 @@ class SelectionLog:
         table = _host_table(indices)
         n_keys = table.shape[0] if n_keys is None else check_int(n_keys, "n_keys", 1)
         masks = _check_masks(table, causal, q_pos, cu_seqlens, n_keys)
-        encoded = codec.encode(table)
+        rows = encodings.chunk_rows(*table.shape, self.chunk_rows)
+        encoding = (encodings.choose(table, rows, self.compression_level) if self.encoding == encodings.AUTO
+                    else encodings.ENCODINGS[self.encoding])
         group = self._fresh_group(sample, layer)
-        rows = _chunk_rows(encoded, self.chunk_rows, table.shape[0])
-        for name, axis in codec.FIELDS:
-            _write_array(group, name, getattr(encoded, name), axis, rows, self.compression_level)
-        for name in ("q_pos", "cu_seqlens"):
+        encodings.write(group, encoding, table, rows, self.compression_level)
+        for name in _MASKS:
             if masks[name] is not None:
-                _write_array(group, name, masks[name], 0, masks[name].shape[0], self.compression_level)
+                encodings.write_array(group, name, masks[name], 0, masks[name].shape[0], self.compression_level)
         group.attrs.update(n_queries=table.shape[0], k=table.shape[1], n_keys=n_keys, causal=masks["causal"],
-                           fingerprint=fingerprint(table), encoding=codec.ENCODING, hyscale_version=__version__,
+                           fingerprint=fingerprint(table), encoding=encoding.name, hyscale_version=__version__,
                            created=_now(), chunk_rows=rows)
         self._file.flush()
         group.attrs["appended"] = True  # only now, after the data is in the file
@@ -346,8 +349,9 @@ class SelectionLog:
             raise SelectionLogError(f"{self._where(sample, layer)} lacks metadata: {', '.join(missing)}")
         attrs = group.attrs
         masks = {name: (self._read(sample, layer, group, name, 0, slice(None)).astype(np.int64)
-                        if name in group else None) for name in ("q_pos", "cu_seqlens")}
-        stored = sum(group[name].id.get_storage_size() for name, _ in codec.FIELDS if name in group)
+                        if name in group else None) for name in _MASKS}
+        stored = sum(item.id.get_storage_size() for name, item in group.items()
+                     if name not in _MASKS and isinstance(item, h5py.Dataset))  # the table's datasets
         return EntryInfo(sample=sample, layer=layer, n_queries=int(attrs["n_queries"]), k=int(attrs["k"]),
                          n_keys=int(attrs["n_keys"]), causal=bool(attrs["causal"]), **masks,
                          fingerprint=_text(attrs["fingerprint"]), encoding=_text(attrs["encoding"]),
@@ -373,27 +377,32 @@ class SelectionLog:
 
         A whole table is checked against its logged fingerprint
         (``verify=False`` skips that); a row range is checked by the chunks'
-        fletcher32 checksums only. Raises KeyError if the entry is absent,
-        FingerprintMismatchError / SelectionLogError if it does not read back.
+        fletcher32 checksums and by its indices lying in [-1, n_keys).
+        Raises KeyError if the entry is absent, FingerprintMismatchError /
+        SelectionLogError if it does not read back.
         """
         info = self.info(sample, layer)
         sample, layer, group = self._entry(sample, layer)
-        if info.encoding != codec.ENCODING:
-            raise SelectionLogError(f"{self._where(sample, layer)} has encoding {info.encoding!r}; "
-                                    f"this reader knows {codec.ENCODING!r}")
+        try:
+            encoding = encodings.lookup(info.encoding)
+        except ValueError as exc:
+            raise SelectionLogError(f"{self._where(sample, layer)}: {exc}") from exc
         rows = slice(None) if rows is None else rows
         if not isinstance(rows, slice) or rows.indices(info.n_queries)[2] != 1:
             raise ValueError(f"rows must be a slice with step 1, got {rows!r}")
         start, stop, _ = rows.indices(info.n_queries)
         rows = slice(start, max(start, stop))
-        arrays = [self._read(sample, layer, group, name, axis, rows) for name, axis in codec.FIELDS]
+        arrays = [self._read(sample, layer, group, name, axis, rows) for name, axis in encoding.fields]
         try:
-            table = codec.decode(*arrays)
+            table = encoding.decode(arrays)
         except ValueError as exc:
             raise SelectionLogError(f"{self._where(sample, layer)}: {exc}") from exc
         if table.shape[1] != info.k or (rows.stop - rows.start) != table.shape[0]:
             raise SelectionLogError(f"{self._where(sample, layer)}: stored arrays hold a [{table.shape[0]}, "
                                     f"{table.shape[1]}] table, metadata says rows {rows} of [{info.n_queries}, {info.k}]")
+        if table.size and (table.min() < -1 or table.max() >= info.n_keys):
+            raise SelectionLogError(f"{self._where(sample, layer)}: stored table holds indices in [{table.min()}, "
+                                    f"{table.max()}], outside [-1, n_keys = {info.n_keys})")
         if verify and table.shape[0] == info.n_queries:
             found = fingerprint(table)
             if found != info.fingerprint:
