@@ -28,6 +28,13 @@ among its selected keys) rises.
     python examples/train_tiny_dsa.py                 # CPU (GPU when CuPy sees one)
     python examples/train_tiny_dsa.py --quick         # a few seconds, a smoke run
     python examples/train_tiny_dsa.py --log rollout.h5   # + the trained indexer's selections
+    mpiexec -n 2 python examples/train_tiny_dsa.py --quick   # every sequence sharded over 2 ranks
+
+Under ``mpiexec -n P`` (P > 1) every rank draws the same batches and runs
+its shard of each (hyscale_core.mpi's ShardedRunner: zigzag layout, exact
+selection, parameter gradients summed over ranks), so every rank holds the
+same parameters after each step and the losses are one process's up to
+float32 rounding. Rank 0 alone prints and writes.
 
 Writes OUT/history.json, OUT/params.npz, OUT/config.json and OUT/curves.png (the plot needs
 matplotlib: pip install "hyscale-core[plot]").
@@ -35,6 +42,7 @@ matplotlib: pip install "hyscale-core[plot]").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -47,6 +55,8 @@ import hyscale_core as hs
 from hyscale_core._backend import cupy_module
 from hyscale_core.engine import AdamW, DSAConfig, LiveSelection, TinyDSA, backward, no_grad
 from hyscale_core.engine.needle import NeedleTask, needle_recall
+from hyscale_core.mpi import abort_on_error, launched_world, use_local_gpu
+from hyscale_core.mpi.engine import ShardedRunner
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -95,11 +105,13 @@ class Progress:
     """A plain-text progress bar: redrawn in place on a terminal, a line per
     ``every`` steps otherwise (logs stay readable)."""
 
-    def __init__(self, total: int, every: int, width: int = 28) -> None:
-        self.total, self.every, self.width = total, max(1, every), width
+    def __init__(self, total: int, every: int, width: int = 28, quiet: bool = False) -> None:
+        self.total, self.every, self.width, self.quiet = total, max(1, every), width, quiet
         self.start, self.tty = time.perf_counter(), sys.stdout.isatty()
 
     def update(self, done: int, note: str) -> None:
+        if self.quiet:
+            return
         elapsed = time.perf_counter() - self.start
         eta = elapsed / done * (self.total - done)
         filled = self.width * done // self.total
@@ -111,51 +123,58 @@ class Progress:
             print(line, flush=True)
 
     def message(self, text: str) -> None:
-        print(("\n" if self.tty else "") + text, flush=True)
+        if not self.quiet:
+            print(("\n" if self.tty else "") + text, flush=True)
 
 
-def run_model(model, batch, topk, xp, train=False):
+def run_model(model, batch, topk, xp, train=False, runner=None):
     """One forward (and, when ``train``, a backward with the blocks checkpointed and
-    their selections replayed) on a NeedleBatch; returns (output, selector)."""
-    selector = LiveSelection(topk, cu_seqlens=batch.cu_seqlens)
+    their selections replayed) on a NeedleBatch; returns (output, selections by layer).
+    ``runner`` (under mpiexec): the sequence sharded over the ranks, gradients summed."""
     ids, rows, targets = (xp.asarray(a) for a in (batch.ids, batch.rows, batch.targets))
+    if runner is not None:
+        return runner.run(ids, rows, targets, topk, batch.cu_seqlens, train=train, recompute=train,
+                          kl_on_loss_rows=True)
+    selector = LiveSelection(topk, cu_seqlens=batch.cu_seqlens)
     if not train:
         with no_grad():
-            return model.forward(ids, rows, targets, selector, kl_on_loss_rows=True), selector
+            return model.forward(ids, rows, targets, selector, kl_on_loss_rows=True), selector.store
     out = model.forward(ids, rows, targets, selector, recompute=True, kl_on_loss_rows=True)
     backward(out.loss)
-    return out, selector
+    return out, selector.store
 
 
-def evaluate(model, batch, topk, xp) -> dict:
+def evaluate(model, batch, topk, xp, runner=None) -> dict:
     """Cross-entropy, accuracy and per-layer needle recall in the sparse setting."""
-    out, selector = run_model(model, batch, topk, xp)
+    out, selections = run_model(model, batch, topk, xp, runner=runner)
     logits = out.logits.get() if hasattr(out.logits, "get") else out.logits
     return {"loss": out.total - model.cfg.kl_weight * sum(out.kls),
             "accuracy": float((logits.argmax(axis=1) == batch.targets).mean()),
-            "recall": [needle_recall(selector.store.selection(b.name), batch) for b in model.blocks],
+            "recall": [needle_recall(selections.selection(b.name), batch) for b in model.blocks],
             "kl": out.kls}
 
 
-def train(args, xp, task: NeedleTask, warm_task: NeedleTask, model: TinyDSA) -> list[dict]:
+def train(args, xp, task: NeedleTask, warm_task: NeedleTask, model: TinyDSA, runner=None,
+          lead: bool = True) -> list[dict]:
+    """The two stages; every rank runs this with the same batches, only ``lead`` prints."""
     opt = AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, max_grad_norm=1.0)
     rng = np.random.default_rng(args.seed + 1)
     eval_batch = task.batch(np.random.default_rng(args.seed + 2), args.eval_sequences)
-    history = [{"step": 0, "stage": "init", **evaluate(model, eval_batch, args.topk, xp)}]
-    bar = Progress(args.steps, args.eval_every)
+    history = [{"step": 0, "stage": "init", **evaluate(model, eval_batch, args.topk, xp, runner)}]
+    bar = Progress(args.steps, args.eval_every, quiet=not lead)
     bar.message(_eval_line(history[-1]))
     for step in range(1, args.steps + 1):
         dense = step <= args.warmup_steps
         stage_task = warm_task if dense else task
         batch = stage_task.batch(rng, max(1, args.tokens // stage_task.length))
-        out, _ = run_model(model, batch, stage_task.length if dense else args.topk, xp, train=True)
+        out, _ = run_model(model, batch, stage_task.length if dense else args.topk, xp, train=True, runner=runner)
         opt.lr = args.lr * 0.5 * (1 + np.cos(np.pi * step / args.steps))  # cosine decay
         opt.step()
         train_loss = out.total - model.cfg.kl_weight * sum(out.kls)
         bar.update(step, f"{'dense' if dense else 'sparse'} L={stage_task.length} loss {train_loss:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
             history.append({"step": step, "stage": "dense" if dense else "sparse", "train_loss": train_loss,
-                            **evaluate(model, eval_batch, args.topk, xp)})
+                            **evaluate(model, eval_batch, args.topk, xp, runner)})
             bar.message(_eval_line(history[-1]))
     return history
 
@@ -166,22 +185,27 @@ def _eval_line(h: dict) -> str:
             f"needle recall per layer {recall}")
 
 
-def write_log(path: Path, args, model: TinyDSA, xp) -> None:
+def write_log(path: Path, args, model: TinyDSA, xp, runner=None, lead: bool = True) -> None:
     """A rollout of the model: every layer's selection for ``--log-samples`` samples
-    of ``--log-sequences`` packed sequences of ``--log-length`` tokens, top-``--log-topk``."""
+    of ``--log-sequences`` packed sequences of ``--log-length`` tokens, top-``--log-topk``
+    (every rank runs it; ``lead`` writes and prints)."""
     from hyscale_core.io import SelectionLog
 
     task = NeedleTask(length=args.log_length, fillers=256)
     rng = np.random.default_rng(args.seed + 3)
-    with SelectionLog(path, "a" if args.log_append else "w") as log:
+    with SelectionLog(path, "a" if args.log_append else "w") if lead else contextlib.nullcontext() as log:
         for i in range(args.log_samples):
             sample = f"L{task.length}-top{args.log_topk}-{i}"
             batch = task.batch(rng, args.log_sequences)
-            _, selector = run_model(model, batch, args.log_topk, xp)
+            _, selections = run_model(model, batch, args.log_topk, xp, runner=runner)
+            if not lead:
+                continue
             for block in model.blocks:
-                log.append(sample, block.name, selector.store.selection(block.name), cu_seqlens=batch.cu_seqlens)
-            recall = " ".join(f"{needle_recall(selector.store.selection(b.name), batch):.2f}" for b in model.blocks)
+                log.append(sample, block.name, selections.selection(block.name), cu_seqlens=batch.cu_seqlens)
+            recall = " ".join(f"{needle_recall(selections.selection(b.name), batch):.2f}" for b in model.blocks)
             print(f"  {sample}: needle recall per layer {recall}", flush=True)
+    if not lead:
+        return
     n = args.log_sequences * task.length
     print(f"wrote {path}: {args.log_samples} samples x {len(model.blocks)} layers, selections int32 [{n}, "
           f"{args.log_topk}] ({args.log_sequences} packed sequences of {task.length})")
@@ -221,7 +245,19 @@ def plot(history: list[dict], args, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    world = launched_world()  # MPI.COMM_WORLD under `mpiexec -n P` with P > 1, else None (one process)
+    if world is None:
+        return run(args)
+    with abort_on_error(world):  # an exception on one rank ends the whole job
+        return run(args, world)
+
+
+def run(args, world=None) -> int:
+    """Build, train, save; with ``world`` every batch is sharded over its ranks."""
+    lead = world is None or world.Get_rank() == 0
     xp = array_module(args.device)
+    if world is not None and xp is not np:
+        use_local_gpu(world)  # one GPU per rank where there are several
     task = NeedleTask(length=args.length, fillers=256)
     warm_task = NeedleTask(length=args.warmup_length, fillers=256)
     cfg = DSAConfig(vocab=task.vocab, d_model=64, n_layers=args.layers, heads=4, d_v=32, rope_dim=16, d_ff=128,
@@ -230,12 +266,27 @@ def main(argv=None) -> int:
     if args.load:
         with np.load(args.load) as state:
             model.load_state_dict(dict(state))
+    runner = ShardedRunner(model, world) if world is not None else None
     where = "GPU (CuPy)" if xp is not np else "CPU (NumPy + Numba)"
-    print(f"hyscale-core {hs.__version__} on {where}: {args.layers} DSA layers, "
-          f"{sum(p.data.size for p in model.parameters())} parameters; {args.warmup_steps} dense warm-up steps "
-          f"(L={args.warmup_length}), {args.steps - args.warmup_steps} sparse steps (L={args.length}, "
-          f"top-{args.topk}); {args.tokens} tokens per step", flush=True)
-    history = train(args, xp, task, warm_task, model)
+    if runner is not None:
+        where += f", every sequence sharded over {world.Get_size()} MPI ranks ({runner.transport.name} transport)"
+    if lead:
+        print(f"hyscale-core {hs.__version__} on {where}: {args.layers} DSA layers, "
+              f"{sum(p.data.size for p in model.parameters())} parameters; {args.warmup_steps} dense warm-up steps "
+              f"(L={args.warmup_length}), {args.steps - args.warmup_steps} sparse steps (L={args.length}, "
+              f"top-{args.topk}); {args.tokens} tokens per step", flush=True)
+    history = train(args, xp, task, warm_task, model, runner, lead)
+    if lead:
+        save(args, cfg, task, model, history)
+    if args.log:
+        write_log(args.log, args, model, xp, runner, lead)
+    if runner is not None:
+        runner.close()
+    return 0
+
+
+def save(args, cfg: DSAConfig, task: NeedleTask, model: TinyDSA, history: list[dict]) -> None:
+    """History, parameters, config and the plot under ``--out``."""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "history.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                        "history": history}, indent=1) + "\n")
@@ -248,9 +299,6 @@ def main(argv=None) -> int:
           f"params.npz, config.json")
     if args.steps:
         plot(history, args, args.out / "curves.png")
-    if args.log:
-        write_log(args.log, args, model, xp)
-    return 0
 
 
 if __name__ == "__main__":

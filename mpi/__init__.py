@@ -12,11 +12,12 @@
 
 See mpi/README.md for the layouts and the communication cost model.
 """
-from .layout import QUERY_ALIGN, Layout, contiguous_layout, zigzag_layout
+from .layout import QUERY_ALIGN, Layout, balanced_layout, contiguous_layout, zigzag_layout
 from .ops import sharded_indexer_topk, sharded_sparse_attention, sharded_sparse_attention_backward
-from .shard import Shard, abort_on_error, make_shard, use_local_gpu
+from .shard import Shard, abort_on_error, launched_world, make_shard, use_local_gpu
 
 __all__ = [
-    "QUERY_ALIGN", "Layout", "contiguous_layout", "zigzag_layout", "Shard", "abort_on_error", "make_shard",
-    "use_local_gpu", "sharded_indexer_topk", "sharded_sparse_attention", "sharded_sparse_attention_backward",
+    "QUERY_ALIGN", "Layout", "balanced_layout", "contiguous_layout", "zigzag_layout", "Shard", "abort_on_error",
+    "launched_world", "make_shard", "use_local_gpu", "sharded_indexer_topk", "sharded_sparse_attention",
+    "sharded_sparse_attention_backward",
 ]

@@ -18,6 +18,8 @@ cross-entropy is a sum over its targets divided by the global target count,
 so the shares add up to the single-process losses. Parameter gradients are
 summed over ranks by :func:`allreduce_gradients` (float64, rank order, one
 rounding): every rank then holds the same bits and AdamW takes the same step.
+:class:`ShardedRunner` wraps all of it for a training loop that hands every
+rank the same global batch (``examples/train_tiny_dsa.py`` under mpiexec).
 Everything here is collective: all ranks run the same graph in the same order.
 """
 from __future__ import annotations
@@ -34,13 +36,14 @@ from ..engine import backward
 from ..engine import ops
 from ..engine.attention import IndexerKL, IndexerScoresAt, SparseAttention
 from ..engine.checkpoint import checkpoint
-from ..engine.model import DSABlock, TinyDSA
+from ..engine.model import DSABlock, Forward, TinyDSA
 from ..engine.optim import AdamW
 from ..engine.selection import LiveSelection, SelectionStore
-from ..engine.tensor import Function, Tensor
-from .exchange import AllGather, sum_in_rank_order, plan_rows
+from ..engine.tensor import Function, Tensor, no_grad
+from .exchange import AllGather, plan_rows, sum_in_rank_order
 from .layout import split_sizes
-from .shard import Shard
+from .shard import Shard, make_shard
+from .transport import select_transport
 
 
 class GatherRows(Function):
@@ -154,11 +157,12 @@ class ShardedTinyDSA:
         return self.model.parameters()
 
     def forward(self, ids: Any, rows: Any, targets: Any, n_targets: int, selector: Any, recompute: bool = False,
-                kl_on_loss_rows: bool = False) -> tuple[Tensor, float, list[float]]:
+                kl_on_loss_rows: bool = False) -> Forward:
         """Arguments from :func:`shard_batch` (recompute and kl_on_loss_rows as
-        ``TinyDSA.forward``). Returns (this rank's loss share, the global loss
-        value with the indexer losses, the global per-layer indexer losses);
-        the two floats are the same on every rank."""
+        ``TinyDSA.forward``). Returns a :class:`Forward` whose ``loss`` is this
+        rank's share, ``total`` (the global loss with the indexer losses) and
+        ``kls`` (the global per-layer indexer losses) the same on every rank,
+        and ``logits`` float32 [m, vocab] at this rank's loss rows."""
         cfg, m = self.cfg, self.model
         rope = ops.rope_tables(self.xp, self.shard.device("positions"), cfg.rope_dim)
         x = ops.Embedding.apply(m.embed, ops.constant(ids))
@@ -179,7 +183,8 @@ class ShardedTinyDSA:
             for kl in kls:
                 loss = ops.Add.apply(loss, ops.Mul.apply(kl, ops.constant(kl.data * 0 + cfg.kl_weight)))
         totals = np.sum(self.shard.comm.allgather(shares), axis=0)  # rank order
-        return loss, float(totals[0] + cfg.kl_weight * totals[1:].sum()), [float(v) for v in totals[1:]]
+        return Forward(loss, float(totals[0] + cfg.kl_weight * totals[1:].sum()), [float(v) for v in totals[1:]],
+                       logits.data)
 
 
 def allreduce_gradients(shard: Shard, params: list[Tensor]) -> None:
@@ -212,8 +217,83 @@ def train_step(model: ShardedTinyDSA, optimizer: AdamW, batch: tuple[Any, Any, A
     batch: :func:`shard_batch`'s result. Returns the global loss value and the
     per-layer indexer losses (the same on every rank).
     """
-    loss, total, kls = model.forward(*batch, selector, recompute=recompute, kl_on_loss_rows=kl_on_loss_rows)
-    backward(loss)
+    out = model.forward(*batch, selector, recompute=recompute, kl_on_loss_rows=kl_on_loss_rows)
+    backward(out.loss)
     allreduce_gradients(model.shard, optimizer.params)
     optimizer.step()
-    return total, kls
+    return out.total, out.kls
+
+
+def _host(x: Any) -> np.ndarray:
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+class ShardedRunner:
+    """A :class:`TinyDSA` run with every batch's sequence sharded over ``comm``:
+    what a training loop calls instead of ``TinyDSA.forward`` under ``mpiexec``.
+
+    Every rank holds the same parameters and passes the same global batch.
+    :meth:`run` shards it (one :class:`Shard` per batch shape, kept; all on
+    one transport), runs :class:`ShardedTinyDSA` and, when training, the
+    backward and :func:`allreduce_gradients`: the optimizer step that follows
+    is then the same on every rank. Logits and selections come back whole on
+    every rank (all-gathered: [M, vocab] and int32 [N, topk] per layer, small
+    at the sizes a tiny model trains), for evaluation and selection logs.
+    Collective: all ranks call every method in the same order.
+    """
+
+    def __init__(self, model: TinyDSA, comm: Any, *, layout: str = "balanced", exchange: str = "auto",
+                 transport: str | None = None) -> None:
+        self.model, self.comm, self.layout, self.exchange = model, comm, layout, exchange
+        self.transport = select_transport(comm, model.xp, transport)
+        self._shards: dict[tuple, Shard] = {}
+
+    def shard(self, n: int, cu_seqlens: Any = None) -> Shard:
+        """The shard of an ``n``-token batch packed at ``cu_seqlens`` (made once per shape)."""
+        key = (n, None if cu_seqlens is None else tuple(np.asarray(cu_seqlens).tolist()))
+        if key not in self._shards:
+            self._shards[key] = make_shard(self.comm, n, layout=self.layout, cu_seqlens=cu_seqlens,
+                                           xp=self.model.xp, transport=self.transport)
+        return self._shards[key]
+
+    def run(self, ids: Any, rows: Any, targets: Any, topk: int, cu_seqlens: Any = None, *, train: bool = False,
+            recompute: bool = False, kl_on_loss_rows: bool = False) -> tuple[Forward, SelectionStore]:
+        """``TinyDSA.forward`` of the global batch (ids [N], rows [M], targets [M],
+        int; packed at ``cu_seqlens`` int [B+1]) with a live top-``topk`` selection.
+
+        train: also back-propagate (gradient graph kept) and sum the parameter
+        gradients over ranks. Returns the :class:`Forward` (``loss`` this
+        rank's share; ``total``, ``kls`` global; ``logits`` float32 [M, vocab]
+        in the order of ``rows``) and a :class:`SelectionStore` of every
+        layer's global selection, int32 [N, topk].
+        """
+        shard = self.shard(int(ids.shape[0]), cu_seqlens)
+        batch = shard_batch(shard, ids, rows, targets)
+        selector = ShardedSelection(shard, topk)
+        model = ShardedTinyDSA(self.model, shard, self.exchange)
+        if train:
+            out = model.forward(*batch, selector, recompute=recompute, kl_on_loss_rows=kl_on_loss_rows)
+            backward(out.loss)
+            allreduce_gradients(shard, self.model.parameters())
+        else:
+            with no_grad():
+                out = model.forward(*batch, selector, recompute=recompute, kl_on_loss_rows=kl_on_loss_rows)
+        owner = shard.owner[np.asarray(_host(rows), dtype=np.int64)]
+        logits = self._gather(_host(out.logits), [np.flatnonzero(owner == r) for r in range(shard.size)],
+                              len(owner))
+        store = SelectionStore()
+        for layer in selector.store.layers():
+            store.put(layer, self._gather(_host(selector.store.selection(layer)), shard.layout.positions, shard.n))
+        return out._replace(logits=logits), store
+
+    def _gather(self, local: np.ndarray, where: Any, total: int) -> Any:
+        """Every rank's ``local`` rows placed at its ``where[r]`` rows of a [total, ...] ``xp`` array."""
+        parts = self.comm.allgather(local)
+        whole = np.empty((total,) + local.shape[1:], dtype=local.dtype)
+        for rows, part in zip(where, parts):
+            whole[rows] = part
+        return self.model.xp.asarray(whole)
+
+    def close(self) -> None:
+        """Free the transport (collective for NCCL)."""
+        self.transport.close()

@@ -13,6 +13,10 @@ BLAS calls' shapes depend on the block), so with ``align=QUERY_ALIGN`` a
 rank's query blocks are exactly the single process's blocks and the
 sharded selection is bitwise identical (see ``ops.py``). A packed
 sequence shorter than ``align`` then goes whole to one rank.
+
+Many short packed sequences (each shorter than 2P aligned chunks) cannot
+be cut per sequence: :func:`balanced_layout` then cuts the whole packed row
+into 2P chunks instead, each holding whole sequences.
 """
 from __future__ import annotations
 
@@ -139,3 +143,21 @@ def zigzag_layout(n: int, world_size: int, cu_seqlens=None, align: int = 1) -> L
         bounds.append(start + np.cumsum(split_sizes(int(stop - start), 2 * world_size)))
         ranks.append(pairs)
     return _from_chunks(n, world_size, _aligned(np.concatenate(bounds), align, n), np.concatenate(ranks))
+
+
+def balanced_layout(n: int, world_size: int, cu_seqlens=None, align: int = 1) -> Layout:
+    """The zigzag layout whose busiest rank scores the fewest causal pairs:
+    each packed sequence cut into 2P chunks (``zigzag_layout(n, P, cu_seqlens)``),
+    or the whole packed row cut into 2P chunks (``zigzag_layout(n, P)``, the
+    chunks holding whole short sequences). Ties keep the per-sequence cut.
+
+    With alignment, sequences shorter than 2P * align tokens cut per sequence
+    all go to one rank (every aligned boundary falls at their ends); a batch
+    of them is balanced by the whole-row cut.
+    """
+    per_sequence = zigzag_layout(n, world_size, cu_seqlens, align=align)
+    if cu_seqlens is None:
+        return per_sequence
+    whole_row = zigzag_layout(n, world_size, align=align)
+    busiest = lambda layout: int(layout.causal_work(cu_seqlens).max(initial=0))  # noqa: E731
+    return whole_row if busiest(whole_row) < busiest(per_sequence) else per_sequence

@@ -5,17 +5,20 @@ sequence length, layout and packing, and gets back a :class:`Shard` holding
 its own positions and the maps the row exchanges use. :func:`abort_on_error`
 turns an exception on any rank into ``MPI_Abort`` of the whole job, so a
 failing rank never leaves the others waiting in a collective.
+:func:`launched_world` tells a program started by ``mpiexec -n P`` (P > 1)
+from a plain run.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
 from typing import Any, Iterator
 
 import numpy as np
 
-from .layout import QUERY_ALIGN, Layout, contiguous_layout, zigzag_layout
+from .layout import QUERY_ALIGN, Layout, balanced_layout, contiguous_layout, zigzag_layout
 from .transport import Transport, select_transport
 
 
@@ -66,17 +69,21 @@ class Shard:
 
 
 def make_shard(comm: Any, n: int, *, layout: str | Layout = "zigzag", cu_seqlens: Any = None,
-               align: int = QUERY_ALIGN, xp: Any = np, transport: str | None = None) -> Shard:
+               align: int = QUERY_ALIGN, xp: Any = np, transport: str | Transport | None = None) -> Shard:
     """Shard a sequence of ``n`` tokens over the ranks of ``comm`` (collective).
 
-    layout     : "zigzag" (load-balanced for causal attention), "contiguous",
-                 or a ready :class:`Layout`.
+    layout     : "zigzag" (load-balanced for causal attention), "balanced"
+                 (zigzag per sequence or over the whole packed row, whichever
+                 leaves the busiest rank less work: many short packed
+                 sequences), "contiguous", or a ready :class:`Layout`.
     cu_seqlens : int [B+1] packed-sequence bounds in global positions (zigzag
                  balances each sequence); passed on to the indexer.
     align      : chunk boundaries at multiples of this (QUERY_ALIGN = 64 makes
                  the CPU indexer's selection bitwise identical to one process).
     xp         : numpy or cupy, the array module of the sharded arrays.
-    transport  : see :func:`select_transport` (default: auto).
+    transport  : see :func:`select_transport` (default: auto), or a ready
+                 :class:`Transport` on ``comm`` (shards sharing one transport:
+                 close it once, not through each shard).
 
     Every rank must pass the same n, layout, cu_seqlens and align; a rank
     that differs makes every rank raise ValueError.
@@ -91,13 +98,32 @@ def make_shard(comm: Any, n: int, *, layout: str | Layout = "zigzag", cu_seqlens
         chosen = layout
     elif layout == "zigzag":
         chosen = zigzag_layout(n, size, cu, align=align)
+    elif layout == "balanced":
+        chosen = balanced_layout(n, size, cu, align=align)
     elif layout == "contiguous":
         if cu is not None:
             raise ValueError("the contiguous layout splits the token axis; pass layout='zigzag' for cu_seqlens")
         chosen = contiguous_layout(n, size, align=align)
     else:
-        raise ValueError(f"layout must be 'zigzag', 'contiguous' or a Layout, got {layout!r}")
-    return Shard(comm, chosen, select_transport(comm, xp, transport), cu, xp)
+        raise ValueError(f"layout must be 'zigzag', 'balanced', 'contiguous' or a Layout, got {layout!r}")
+    if not isinstance(transport, Transport):
+        transport = select_transport(comm, xp, transport)
+    return Shard(comm, chosen, transport, cu, xp)
+
+
+# Set by the launchers of Open MPI, MPICH / Intel MPI (Hydra) and PMIx-based ones (e.g. srun --mpi=pmix).
+LAUNCHER_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+def launched_world() -> Any | None:
+    """``MPI.COMM_WORLD`` when an MPI launcher started this process among
+    several, else None. A plain run (no launcher variable set) returns None
+    without importing mpi4py, so it needs no MPI at all."""
+    if not any(name in os.environ for name in LAUNCHER_ENV):
+        return None
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
 
 
 def use_local_gpu(comm: Any) -> int:
