@@ -3,8 +3,9 @@
     mpiexec -n P python tests/mpi_ranks.py OUT.npz GROUP...
 
 runs the sharded operations of each GROUP ("indexer", "attention",
-"engine", "transport", "gpu": indexer and attention on CuPy arrays through
-host staging, or "error": rank 1 passes a kv with one row too many) on data
+"engine", "runner": ShardedRunner training steps on packed batches,
+"transport", "gpu": indexer and attention on CuPy arrays through host
+staging, or "error": rank 1 passes a kv with one row too many) on data
 from the ``*_data`` functions below, which the tests also use for the
 single-process results. Rank 0 writes every result, gathered into global
 row order, to OUT.npz. Any exception aborts the whole job.
@@ -77,6 +78,24 @@ def engine_batch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ids = rng.integers(0, engine_config().vocab, ENGINE_N)
     rows = np.sort(rng.choice(ENGINE_N, ENGINE_TARGETS, replace=False))
     return ids, rows, rng.integers(0, engine_config().vocab, ENGINE_TARGETS)
+
+
+# (sequence length, sequences) of the ShardedRunner steps: 16-token sequences take the
+# balanced layout's whole-row cut (at P = 3 one rank holds none), 150-token ones its
+# per-sequence cut; 300 tokens are not a multiple of the 64-token alignment.
+RUNNER_BATCHES = [(16, 16), (100, 3), (150, 2)]
+RUNNER_TOPK = 8
+
+
+def runner_batches() -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per step: ids [N], rows [M] (the last two tokens of every sequence), targets [M], cu_seqlens [B+1]."""
+    rng = np.random.default_rng(11)
+    vocab, out = engine_config().vocab, []
+    for length, count in RUNNER_BATCHES:
+        cu = np.arange(count + 1) * length
+        rows = np.sort(np.concatenate([cu[1:] - 2, cu[1:] - 1]))
+        out.append((rng.integers(0, vocab, cu[-1]), rows, rng.integers(0, vocab, rows.size), cu))
+    return out
 
 
 class Results:
@@ -168,6 +187,26 @@ def run_engine(comm: Any, res: Results) -> None:
             res.same(f"{key}/param/{p.name}", p.data)
 
 
+def run_runner(comm: Any, res: Results) -> None:
+    """ShardedRunner training steps (recompute on even steps) and AdamW, as the example runs them."""
+    from hyscale_core.engine.model import TinyDSA
+    from hyscale_core.engine.optim import AdamW
+    from hyscale_core.mpi.engine import ShardedRunner
+
+    model = TinyDSA(engine_config(), seed=1)
+    runner, opt = ShardedRunner(model, comm), AdamW(model.parameters())
+    for step, (ids, rows, targets, cu) in enumerate(runner_batches()):
+        out, selections = runner.run(ids, rows, targets, RUNNER_TOPK, cu, train=True, recompute=step % 2 == 0,
+                                     kl_on_loss_rows=True)
+        opt.step()
+        res.same(f"runner/{step}/total", [out.total] + out.kls)
+        res.same(f"runner/{step}/logits", out.logits)
+        for layer in selections.layers():
+            res.same(f"runner/{step}/selection/{layer}", selections.selection(layer))
+        res.same(f"runner/{step}/params", np.concatenate([p.data.reshape(-1) for p in model.parameters()]))
+    runner.close()
+
+
 def run_transport(comm: Any, res: Results) -> None:
     """Irregular counts (rank r sends rank p (r + p) % 3 rows) of bfloat16 rows."""
     from hyscale_core.mpi.transport import HostTransport
@@ -216,8 +255,8 @@ def run_error(comm: Any, res: Results) -> None:
     sharded_sparse_attention(shard, data["q"][shard.positions], kv, data["indices"][shard.positions], d_v=D_V)
 
 
-GROUPS = {"indexer": run_indexer, "attention": run_attention, "engine": run_engine, "transport": run_transport,
-          "gpu": run_gpu, "error": run_error}
+GROUPS = {"indexer": run_indexer, "attention": run_attention, "engine": run_engine, "runner": run_runner,
+          "transport": run_transport, "gpu": run_gpu, "error": run_error}
 
 
 def main(argv: list[str]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hyscale_core.mpi import QUERY_ALIGN, Layout, contiguous_layout, zigzag_layout
+from hyscale_core.mpi import QUERY_ALIGN, Layout, balanced_layout, contiguous_layout, zigzag_layout
 from hyscale_core.mpi.layout import split_sizes
 
 
@@ -99,3 +99,24 @@ def test_maps_agree_with_positions():
         Layout(301, (layout.positions[0], layout.positions[1], layout.positions[1])).check()
     with pytest.raises(ValueError, match="ascending"):
         Layout(3, (np.array([1, 0]), np.array([2]))).check()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_balanced_layout_spreads_many_short_packed_sequences(world):
+    cu = np.arange(0, 4097, 32)  # 128 sequences of 32 tokens: shorter than 2P aligned chunks
+    per_sequence = zigzag_layout(4096, world, cu, align=QUERY_ALIGN)
+    assert (per_sequence.counts == 0).sum() == world - 1  # every aligned cut falls at a sequence's end
+    layout = balanced_layout(4096, world, cu, align=QUERY_ALIGN)
+    for a, b in zip(layout.positions, zigzag_layout(4096, world, align=QUERY_ALIGN).positions):
+        np.testing.assert_array_equal(a, b)  # the whole packed row cut into 2P chunks
+    work = layout.causal_work(cu)
+    assert np.abs(work / work.mean() - 1).max() < 0.15
+
+
+@pytest.mark.parametrize("cu", [None, [0, 4096, 8192], [0, 7, 3000, 8192]])
+def test_balanced_layout_keeps_the_per_sequence_cut_for_long_sequences(cu):
+    layout = balanced_layout(8192, 4, cu, align=QUERY_ALIGN)
+    for a, b in zip(layout.positions, zigzag_layout(8192, 4, cu, align=QUERY_ALIGN).positions):
+        np.testing.assert_array_equal(a, b)
+    layout.check()
+
