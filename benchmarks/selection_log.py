@@ -11,14 +11,19 @@ Two kinds of causal selections, N = 32768 queries over themselves, k = 2048:
   indexer. Measure on a trained indexer's selections when one exists.
 
 Encodings compared, all with fletcher32 and chunks of 1024 rows:
-raw int32; int32 + shuffle + deflate; sorted gaps + rank columns (uint16,
-row-major) + shuffle + deflate; and the log's own encoding (sorted gaps +
-Lehmer-coded rank order, digit-major, shuffle + deflate) at deflate 1/4/9,
-written and read through SelectionLog. ``--log FILE`` measures the
-selections of a log instead (a rollout of a trained indexer).
+raw int32 and sorted gaps + rank columns (uint16, row-major) + shuffle +
+deflate 4, written by plain h5py; then, written and read through
+SelectionLog, its two encodings forced at deflate 4 ("int32-v1": the table +
+shuffle + deflate; "sorted-gaps-lehmer-v1": sorted gaps + Lehmer-coded rank
+order, digit-major, shuffle + deflate) and its default ("auto": the smaller
+of the two, chosen per entry on sampled chunks) at deflate 1/4/9.
+``--log FILE`` measures the selections of a log instead (a rollout of a
+trained indexer).
 
-Columns: median_ms is one write (encode, compress, write; a single run, the
-tables are large), read_ms one read + decode + fingerprint check.
+Columns: median_ms is one write (choose, encode, compress, write; a single
+run, the tables are large), read_ms one read + decode + fingerprint check,
+choose_ms (auto rows) the choice alone (encodings.choose on the table),
+encoding the one the entry was stored in.
 """
 from __future__ import annotations
 
@@ -109,28 +114,41 @@ def _rank_columns(selection: np.ndarray) -> dict[str, tuple[np.ndarray, int]]:
             "order": (order.astype(narrowest_unsigned(k)), 0)}
 
 
-def _alternatives(selection: np.ndarray, tmp: Path, masks: dict) -> list[tuple[str, int, float, float | None]]:
-    """(impl, stored bytes, write ms, read+decode ms) of every encoding compared;
+def _log_row(selection: np.ndarray, path: Path, masks: dict, level: int, encoding: str) -> tuple:
+    """(impl, stored bytes, write ms, read ms, extra fields) of one entry written through SelectionLog."""
+    from hyscale_core.io import SelectionLog, encodings
+
+    start = time.perf_counter()
+    with SelectionLog(path, "w", compression_level=level, encoding=encoding) as log:
+        info = log.append(0, 0, selection, **masks)
+    written = time.perf_counter() - start
+    start = time.perf_counter()
+    with SelectionLog(path) as log:
+        assert np.array_equal(log.read(0, 0), selection)
+    read = time.perf_counter() - start
+    extra = {"encoding": info.encoding}
+    if encoding == encodings.AUTO:
+        start = time.perf_counter()
+        encodings.choose(selection, encodings.chunk_rows(*selection.shape, log.chunk_rows), level)
+        extra["choose_ms"] = round((time.perf_counter() - start) * 1e3, 1)
+    label = f"SelectionLog {'(default) ' if (encoding, level) == (encodings.AUTO, 4) else ''}{encoding}"
+    return f"{label}, deflate{level}", info.stored_bytes, written * 1e3, read * 1e3, extra
+
+
+def _alternatives(selection: np.ndarray, tmp: Path, masks: dict) -> list[tuple]:
+    """(impl, stored bytes, write ms, read+decode ms, extra fields) of every encoding compared;
     ``masks``: SelectionLog.append's causal, q_pos, cu_seqlens, n_keys."""
-    from hyscale_core.io import SelectionLog
+    from hyscale_core.io import encodings
 
     deflate = {"shuffle": True, "compression": "gzip", "compression_opts": 4}
     results = []
     for impl, arrays, filters in (("raw int32", {"t": (selection, 0)}, {}),
-                                  ("int32 + shuffle + deflate4", {"t": (selection, 0)}, deflate),
                                   ("sorted gaps + rank columns, deflate4", _rank_columns(selection), deflate)):
         stored, seconds = _h5_bytes(tmp / "alt.h5", arrays, **filters)
-        results.append((impl, stored, seconds * 1e3, None))
-    for level in (1, 4, 9):
-        start = time.perf_counter()
-        with SelectionLog(tmp / f"log{level}.h5", "w", compression_level=level) as log:
-            stored = log.append(0, 0, selection, **masks).stored_bytes
-        written = time.perf_counter() - start
-        start = time.perf_counter()
-        with SelectionLog(tmp / f"log{level}.h5") as log:
-            assert np.array_equal(log.read(0, 0), selection)
-        results.append((f"SelectionLog {'' if level != 4 else '(default) '}sorted gaps + Lehmer, deflate{level}",
-                        stored, written * 1e3, (time.perf_counter() - start) * 1e3))
+        results.append((impl, stored, seconds * 1e3, None, {}))
+    for encoding, level in ((encodings.INT32.name, 4), (encodings.LEHMER.name, 4),
+                            (encodings.AUTO, 1), (encodings.AUTO, 4), (encodings.AUTO, 9)):
+        results.append(_log_row(selection, tmp / f"{encoding}{level}.h5", masks, level, encoding))
     return results
 
 
@@ -153,12 +171,12 @@ def _selections(args: argparse.Namespace) -> Iterator[tuple[str, dict, np.ndarra
 
 
 def _row(kind: str, config: dict, impl: str, stored: int, write_ms: float, read_ms: float | None,
-         shape: tuple[int, int]) -> dict:
+         extra: dict, shape: tuple[int, int]) -> dict:
     n, k = shape
     return {"bench": "selection_log", "config": config, "impl": impl, "kind": kind,
             "median_ms": round(write_ms, 1), "read_ms": None if read_ms is None else round(read_ms, 1),
             "bytes_per_token_layer": round(stored / max(n, 1), 1), "raw_bytes_per_token_layer": 4 * k,
-            "ratio_to_raw": round(stored / max(4 * n * k, 1), 4)}
+            "ratio_to_raw": round(stored / max(4 * n * k, 1), 4), **extra}
 
 
 def main(argv=None) -> None:
@@ -169,10 +187,10 @@ def main(argv=None) -> None:
     parser.add_argument("--log", type=Path, help="measure every selection of this log instead of synthetic ones")
     parser.add_argument("--name", default="selection_log", help="results file name (benchmarks/results/NAME.json)")
     args = parser.parse_args(argv)
-    from hyscale_core.io import SelectionLog
+    from hyscale_core.io import SelectionLog, encodings
 
     with tempfile.TemporaryDirectory() as tmp:  # compile the codec kernels outside the timing
-        with SelectionLog(Path(tmp) / "warm.h5", "w") as log:
+        with SelectionLog(Path(tmp) / "warm.h5", "w", encoding=encodings.LEHMER.name) as log:
             log.append(0, 0, random_causal(64, 16))
         with SelectionLog(Path(tmp) / "warm.h5") as log:
             log.read(0, 0)
@@ -180,12 +198,13 @@ def main(argv=None) -> None:
     for kind, config, selection, masks in _selections(args):
         print(kind, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            for impl, stored, write_ms, read_ms in _alternatives(selection, Path(tmp), masks):
-                rows.append(_row(kind, config, impl, stored, write_ms, read_ms, selection.shape))
+            for impl, stored, write_ms, read_ms, extra in _alternatives(selection, Path(tmp), masks):
+                rows.append(_row(kind, config, impl, stored, write_ms, read_ms, extra, selection.shape))
                 print(f"  {impl:52s} {rows[-1]['bytes_per_token_layer']:8.1f} B/token/layer  "
-                      f"{100 * rows[-1]['ratio_to_raw']:5.1f}%  write {write_ms:8.1f} ms", flush=True)
+                      f"{100 * rows[-1]['ratio_to_raw']:5.1f}%  write {write_ms:8.1f} ms  {extra}", flush=True)
     path = write_results(args.name, cpu_device(), rows)
-    print(table(rows, ["kind", "impl", "bytes_per_token_layer", "ratio_to_raw", "median_ms", "read_ms"]))
+    print(table(rows, ["kind", "impl", "bytes_per_token_layer", "ratio_to_raw", "median_ms", "read_ms", "encoding",
+                       "choose_ms"]))
     print(f"wrote {path}")
 
 

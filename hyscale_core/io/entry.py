@@ -30,8 +30,10 @@ class EntryInfo:
     The selection is an int32 table [n_queries, k]; ``causal``, ``q_pos``
     (int64 [n_queries] or None) and ``cu_seqlens`` (int64 [B+1] or None) are
     the masks it was selected under, over ``n_keys`` keys, exactly as given
-    to ``hs.indexer_topk``. ``stored_bytes`` is the size on disk of the
-    encoded table; ``raw_bytes`` = 4 * n_queries * k, the int32 table.
+    to ``hs.indexer_topk``. ``encoding`` names how the table is stored
+    ("sorted-gaps-lehmer-v1" or "int32-v1", see encodings.py);
+    ``stored_bytes`` is the size on disk of the encoded table;
+    ``raw_bytes`` = 4 * n_queries * k, the int32 table.
     """
 
     sample: str
