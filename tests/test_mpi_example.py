@@ -25,11 +25,12 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-3
 
 
-def launch(cmd: list[str]) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (one thread per process, Open MPI allowed as root); kill its group at the timeout."""
-    env = {**os.environ, **THREADS, **(OPEN_MPI_AS_ROOT if os.geteuid() == 0 else {})}
+def launch(cmd: list[str], cwd: Path | None = None, **env_vars: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (one thread per process, Open MPI allowed as root, ``env_vars`` added);
+    kill its group at the timeout."""
+    env = {**os.environ, **THREADS, **(OPEN_MPI_AS_ROOT if os.geteuid() == 0 else {}), **env_vars}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd)
     try:
         stdout, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
