@@ -23,6 +23,7 @@ import numpy as np
 from .._backend import array_module
 from .costmodel import allgather_bytes, choose_exchange, fetch_backward_bytes, fetch_bytes
 from .shard import Shard
+from .transport import as_bits
 
 
 def _wide(x: Any) -> Any:
@@ -40,6 +41,11 @@ def _narrow(x: Any, dtype: Any) -> Any:
     from ..gpu.convert import narrow
 
     return narrow(x, dtype)
+
+
+def take_rows(x: Any, rows: Any) -> Any:
+    """x[rows] (int rows), moved by their bits (any dtype, bfloat16 on CuPy included)."""
+    return as_bits(x)[rows].view(x.dtype)
 
 
 def sum_in_rank_order(blocks: Any, dtype: Any) -> Any:
@@ -69,7 +75,7 @@ class AllGather:
         s = self.shard
         s.check_rows("local rows", local)
         recv = s.transport.alltoallv(local, [s.n_local] * s.size, s.counts, send_displs=[0] * s.size)
-        return recv[s.device("rank_major")] if self.global_order else recv
+        return take_rows(recv, s.device("rank_major")) if self.global_order else recv
 
     def remap(self, indices: Any) -> Any:
         """int32 [T, k] global positions (or -1) -> rows of the table (or -1)."""
@@ -82,7 +88,7 @@ class AllGather:
         """dtable [N, ...] (this rank's gradient at every row) -> [n_local, ...]."""
         s = self.shard
         if self.global_order:
-            dtable = dtable[s.device("rank_major_order")]
+            dtable = take_rows(dtable, s.device("rank_major_order"))
         recv = s.transport.alltoallv(dtable, s.counts, [s.n_local] * s.size)
         return sum_in_rank_order(recv.reshape((s.size, s.n_local) + tuple(recv.shape[1:])), dtable.dtype)
 
@@ -114,7 +120,7 @@ class Fetch:
     def gather(self, local: Any) -> Any:
         """local [n_local, ...] -> table [len(wanted), ...]."""
         self.shard.check_rows("local rows", local)
-        return self.shard.transport.alltoallv(local[self.serve_rows], self.serve, self.want)
+        return self.shard.transport.alltoallv(take_rows(local, self.serve_rows), self.serve, self.want)
 
     def remap(self, indices: Any) -> Any:
         xp = self.shard.xp
