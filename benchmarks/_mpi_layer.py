@@ -224,7 +224,8 @@ def layer_run(comm: Any, ctx: dict[str, Any], args: argparse.Namespace, n: int, 
     for row in phases:
         if row["phase"] in step["model"]:
             sent, received = (np.asarray(v).tolist() for v in step["model"][row["phase"]])
-            nbytes[row["phase"]] = {"sent_per_rank": row["sent_per_rank"], "received_per_rank": row["received_per_rank"],
+            nbytes[row["phase"]] = {"sent_per_rank": row["sent_per_rank"],
+                                    "received_per_rank": row["received_per_rank"],
                                     "model_sent_per_rank": sent, "model_received_per_rank": received}
             match &= sent == row["sent_per_rank"] and received == row["received_per_rank"]
     return {"n": n, "ranks": shard.size, "gpus": ctx["gpus"], "transport": shard.transport.name,
