@@ -31,8 +31,9 @@ among its selected keys) rises.
     mpiexec -n 2 python examples/train_tiny_dsa.py --quick   # every sequence sharded over 2 ranks
 
 Under ``mpiexec -n P`` (P > 1) every rank draws the same batches and runs
-its shard of each (hyscale_core.mpi's ShardedRunner: zigzag layout, exact
-selection, parameter gradients summed over ranks), so every rank holds the
+its shard of each (hyscale_core.mpi's ShardedRunner: zigzag layout per
+sequence or over the packed row, exact selection, parameter gradients
+summed over ranks in a fixed order), so every rank holds the
 same parameters after each step and the losses are one process's up to
 float32 rounding. Rank 0 alone prints and writes.
 
