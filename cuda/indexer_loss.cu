@@ -15,9 +15,10 @@
 //               rounded once to the input type: exact for 16-bit w)
 // g_scale and w_scale are the powers of two above max |g| and max |w| of the
 // query, so the scaled operands lie in (-1, 1) (no float16 underflow) and the
-// scaling itself is exact. dq is summed over the blocks in registers and
-// rounded once; the rows (float32, one per valid (query, slot)) are added into
-// dk key by key in ascending (query, slot) order by il_dk_segments.
+// scaling itself is exact. dq is summed per block of 64 slots, then over the
+// blocks in registers, and rounded once; the rows (float32, one per valid
+// (query, slot)) are added into dk key by key in ascending (query, slot)
+// order, compensated, by il_dk_segments.
 #include "indexer_loss.cuh"
 
 using namespace il;
@@ -70,23 +71,36 @@ __device__ __forceinline__ void block_operands(const float (&acc)[NW][4], const 
     }
 }
 
-// acc (the warp's heads x its feature n-tiles) += P K over the block's slots.
+// acc (the warp's heads x its feature n-tiles) += P K over the block's slots:
+// the block's product is made from zero, GROUP n-tiles at a time, and then
+// added, so dq sums its slots in blocks of 64 (then blocks in order).
 __device__ __forceinline__ void add_dq(float (&acc)[DW][4], const E* p_tiles, const E* kb, Role role) {
+    constexpr int GROUP = DW < (F32 ? 4 : 8) ? DW : (F32 ? 4 : 8);
     #pragma unroll
-    for (int ks = 0; ks < BK / 16; ++ks) {
-        FragA a[PARTS];
+    for (int j0 = 0; j0 < DW; j0 += GROUP) {
+        float part[GROUP][4];
+        zero_tiles(part);
         #pragma unroll
-        for (int p = 0; p < PARTS; ++p) load_a<SP, 1>(a[p], p_tiles + p * P_TILE + 16 * role.mt * SP + 16 * ks);
-        #pragma unroll
-        for (int j = 0; j < DW; ++j) {
-            const int dt = role.part * DW + j;
-            if (dt < DT) {
-                FragB b;
-                load_b<SQ, 1>(b, kb + 16 * ks * SQ + 8 * dt);
-                #pragma unroll
-                for (int p = 0; p < PARTS; ++p) mma(acc[j], a[p], b);
+        for (int ks = 0; ks < BK / 16; ++ks) {
+            FragA a[PARTS];
+            #pragma unroll
+            for (int p = 0; p < PARTS; ++p) load_a<SP, 1>(a[p], p_tiles + p * P_TILE + 16 * role.mt * SP + 16 * ks);
+            #pragma unroll
+            for (int j = 0; j < GROUP; ++j) {
+                const int dt = role.part * DW + j0 + j;
+                if (j0 + j < DW && dt < DT) {
+                    FragB b;
+                    load_b<SQ, 1>(b, kb + 16 * ks * SQ + 8 * dt);
+                    #pragma unroll
+                    for (int p = 0; p < PARTS; ++p) mma(part[j], a[p], b);
+                }
             }
         }
+        #pragma unroll
+        for (int j = 0; j < GROUP; ++j)
+            if (j0 + j < DW)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) acc[j0 + j][i] += part[j][i];
     }
 }
 
@@ -259,22 +273,32 @@ il_scores_at_backward(const E* q, const E* k, const float* w, const int* indices
     }
 }
 
+// One compensated (Kahan) add: sum + x with the running error comp.
+__device__ __forceinline__ void kahan_add(float& sum, float& comp, float x) {
+    const float y = x - comp, t = sum + y;
+    comp = (t - sum) - y;
+    sum = t;
+}
+
 // dk[keys[s], :] += the rows of segment s's pairs, one after another in the
-// segment's order; pair e is pairs[e] = t * kk + i (query t of the chunk,
-// slot i), its row rows[pairs[e], :]. One CTA of D / 4 threads per segment;
-// each key appears in one segment, so no two CTAs touch one dk row.
+// segment's order, compensated: comp [Nk, D] carries each key's running
+// error across chunks (the sum is dk - comp). Pair e is pairs[e] = t * kk + i
+// (query t of the chunk, slot i), its row rows[pairs[e], :]. One CTA of D / 4
+// threads per segment; each key appears in one segment, so no two CTAs touch
+// one dk row.
 extern "C" __global__ void __launch_bounds__(D / 4)
-il_dk_segments(const float* rows, const int* pairs, const int* starts, const int* keys, float* dk) {
+il_dk_segments(const float* rows, const int* pairs, const int* starts, const int* keys, float* dk, float* comp) {
     const int s = blockIdx.x, col = threadIdx.x;
-    float4* dst = reinterpret_cast<float4*>(dk) + (size_t)keys[s] * (D / 4) + col;
+    const size_t at = (size_t)keys[s] * (D / 4) + col;
     const float4* src = reinterpret_cast<const float4*>(rows) + col;
-    float4 acc = *dst;
+    float4 sum = reinterpret_cast<float4*>(dk)[at], err = reinterpret_cast<float4*>(comp)[at];
     for (int e = starts[s]; e < starts[s + 1]; ++e) {
         const float4 v = src[(size_t)pairs[e] * (D / 4)];
-        acc.x += v.x;
-        acc.y += v.y;
-        acc.z += v.z;
-        acc.w += v.w;
+        kahan_add(sum.x, err.x, v.x);
+        kahan_add(sum.y, err.y, v.y);
+        kahan_add(sum.z, err.z, v.z);
+        kahan_add(sum.w, err.w, v.w);
     }
-    *dst = acc;
+    reinterpret_cast<float4*>(dk)[at] = sum;
+    reinterpret_cast<float4*>(comp)[at] = err;
 }

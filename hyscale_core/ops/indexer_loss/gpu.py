@@ -20,12 +20,13 @@ Precision (kernels):
   operands are scaled by exact powers of two into (-1, 1): dscores * mask for
   dq, held as a hi + lo pair of 16-bit values (about 16 bits), and w * mask
   for the dk rows, rounded once to the input type (exact when w holds
-  16-bit values). dq is rounded once to q's dtype; each valid (query, slot)
-  gets a float32 dk row, and the rows are added into a float32 dk key by key
-  in ascending (query, slot) order (a sort of the index table per query
-  chunk, no atomics), then rounded once to k's dtype: bitwise reproducible,
-  and the same for every chunk size, since each key's running sum sees the
-  same adds in the same order.
+  16-bit values). dq sums its slots in blocks of 64, then the blocks in
+  order, and is rounded once to q's dtype; each valid (query, slot) gets a
+  float32 dk row, and the rows are added into a float32 dk key by key in
+  ascending (query, slot) order with Kahan compensation (a sort of the index
+  table per query chunk, no atomics), then rounded once to k's dtype:
+  bitwise reproducible, and the same for every chunk size, since each key's
+  running sum and error see the same adds in the same order.
 - KL: every value in float64 whatever the input dtypes (the row work is
   memory-bound; float32 exp would add up to 2 ulp per slot), dscores rounded
   once to float32, the row losses added in float64 in a fixed order. This is
@@ -33,7 +34,7 @@ Precision (kernels):
 
 Memory, beyond inputs and outputs (N queries, kk slots, D features):
 indexer_scores_at allocates only scores (float32 [N, kk]) and w as float32;
-the backward adds dk in float32 [Nk, D], dscores as float32 (a copy only if
+the backward adds dk and its compensation in float32 [Nk, D], dscores as float32 (a copy only if
 it is not float32), and per query chunk of C queries the float32 rows
 [C, kk, D] (C kk D 4 <= ROWS_BYTES = 1 GiB) and the chunk's sort scratch
 (about 100 bytes per (query, slot) pair, C kk <= MAX_PAIRS = 2^22: under
@@ -132,9 +133,10 @@ def query_chunks(n: int, kk: int, dim: int):
         yield t0, min(n, t0 + step)
 
 
-def add_rows_by_key(indices, rows, dk, cfg: Config) -> None:
+def add_rows_by_key(indices, rows, dk, comp, cfg: Config) -> None:
     """dk[s] += every row of the chunk whose slot selected key s, in ascending
-    (query, slot) order. indices int32 [C, kk]; rows float32 [C * kk, D]."""
+    (query, slot) order, compensated (comp: the running errors, float32 [Nk, D]
+    like dk; the sum is dk - comp). indices int32 [C, kk]; rows float32 [C * kk, D]."""
     cp = cupy_module()
     flat = indices.reshape(-1)
     pos = cp.flatnonzero(flat >= 0)
@@ -147,7 +149,7 @@ def add_rows_by_key(indices, rows, dk, cfg: Config) -> None:
     starts = cp.concatenate([first, cp.asarray([keys.size])]).astype(cp.int32)
     seg_keys = cp.ascontiguousarray(keys[first].astype(cp.int32))
     get_kernel(MODULE, "il_dk_segments", 0, cfg.defines)((int(first.size),), (cfg.dim // 4,),
-                                                          (rows, pairs, starts, seg_keys, dk))
+                                                          (rows, pairs, starts, seg_keys, dk, comp))
 
 
 def indexer_scores_at_backward(q, k, w, indices, dscores):
@@ -159,7 +161,7 @@ def indexer_scores_at_backward(q, k, w, indices, dscores):
     kk = indices.shape[1]
     dq = cp.empty(q.shape, dtype=cp.float32 if q.dtype == cp.float32 else cp.uint16)
     dw = cp.empty((n, heads), dtype=cp.float32)
-    dk = cp.zeros(k.shape, dtype=cp.float32)
+    dk, comp = cp.zeros(k.shape, dtype=cp.float32), cp.zeros(k.shape, dtype=cp.float32)
     if POISON_OUTPUTS:
         dq.fill(np.nan if dq.dtype == cp.float32 else 0xFFFF)
         dw.fill(np.nan)
@@ -178,7 +180,8 @@ def indexer_scores_at_backward(q, k, w, indices, dscores):
                                             dw[part], chunk_rows, np.int32(heads), np.int32(kk)),
                shared_mem=cfg.smem_backward)
         if kk:
-            add_rows_by_key(indices[part], chunk_rows, dk, cfg)
+            add_rows_by_key(indices[part], chunk_rows, dk, comp, cfg)
+    dk -= comp
     dq = dq if q.dtype == cp.float32 else dq.view(q.dtype)
     dk = dk if k.dtype == cp.float32 else narrow(dk, k.dtype)
     return dq, dk, (dw if w.dtype == cp.float32 else narrow(dw, w.dtype))
