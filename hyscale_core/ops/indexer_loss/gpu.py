@@ -110,6 +110,7 @@ def _data(cp, x):
 
 
 def indexer_scores_at(q, k, w, indices):
+    """float32 [N, kk] scores at the selected keys, -inf at -1 slots (contract: cpu.py)."""
     cfg = config(q, k)
     if cfg is None:
         return gpu_fallback.indexer_scores_at(q, k, w, indices)
@@ -153,6 +154,7 @@ def add_rows_by_key(indices, rows, dk, comp, cfg: Config) -> None:
 
 
 def indexer_scores_at_backward(q, k, w, indices, dscores):
+    """``(dq [N, H, D] q.dtype, dk [Nk, D] k.dtype, dw [N, H] w.dtype)``; dk bitwise reproducible."""
     cfg = config(q, k)
     if cfg is None:
         return gpu_fallback.indexer_scores_at_backward(q, k, w, indices, dscores)
@@ -193,6 +195,7 @@ def _kl_operand(cp, x):
 
 
 def indexer_kl_loss(scores_at, probs):
+    """``(loss as a Python float, dscores float32 [N, kk])``: mean over all N rows."""
     if fallback_forced():
         return gpu_fallback.indexer_kl_loss(scores_at, probs)
     cp = cupy_module()
