@@ -1,7 +1,10 @@
 """Test helpers: awkward inputs and backend conversion."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +21,39 @@ def mpiexec() -> str | None:
     """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
     beside = Path(sys.executable).with_name("mpiexec")
     return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+MPI_TIMEOUT_S = 120
+ONE_THREAD = {name: "1" for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                     "MKL_NUM_THREADS")}
+# Open MPI refuses to start as root without these (MPICH ignores them).
+OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+MPI_RANKS = Path(__file__).with_name("mpi_ranks.py")
+
+
+def launch(cmd: list[str], cwd: Path | None = None, **env_vars: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (an mpiexec job or a plain process: one thread per process, Open MPI
+    allowed as root, ``env_vars`` added), stdout and stderr together; at MPI_TIMEOUT_S
+    kill its process group and fail the test. The caller checks the return code."""
+    env = {**os.environ, **ONE_THREAD, **(OPEN_MPI_AS_ROOT if os.geteuid() == 0 else {}), **env_vars}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True, cwd=cwd)
+    try:
+        stdout, _ = proc.communicate(timeout=MPI_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} hung for {MPI_TIMEOUT_S} s:\n{stdout}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
+
+
+def run_ranks(n_ranks: int, out: Path, *groups: str) -> subprocess.CompletedProcess:
+    """tests/mpi_ranks.py's ``groups`` on ``n_ranks`` ranks, results to ``out`` (see :func:`launch`)."""
+    exe = mpiexec()
+    if exe is None:
+        pytest.skip("needs mpiexec (pip install mpich)")
+    path = os.pathsep.join([str(MPI_RANKS.parent), os.environ.get("PYTHONPATH", "")])
+    return launch([exe, "-n", str(n_ranks), sys.executable, str(MPI_RANKS), str(out), *groups], PYTHONPATH=path)
 
 
 AWKWARD_LENGTHS = (1, 7, 63, 300)

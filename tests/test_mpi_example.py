@@ -3,9 +3,6 @@ ShardedRunner it uses (tests/mpi_ranks.py "runner") on 2 and 3 ranks."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,8 +10,7 @@ import numpy as np
 import pytest
 
 import mpi_ranks as cases
-from helpers import mpiexec
-from test_mpi_sharded import OPEN_MPI_AS_ROOT, THREADS, TIMEOUT_S, run_ranks
+from helpers import launch, mpiexec, run_ranks
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_tiny_dsa.py"
 # Losses and indexer KLs of the sharded run against one process: float32 rounding
@@ -25,28 +21,13 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-3
 
 
-def launch(cmd: list[str], cwd: Path | None = None, **env_vars: str) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (one thread per process, Open MPI allowed as root, ``env_vars`` added);
-    kill its group at the timeout."""
-    env = {**os.environ, **THREADS, **(OPEN_MPI_AS_ROOT if os.geteuid() == 0 else {}), **env_vars}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True, cwd=cwd)
-    try:
-        stdout, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} hung for {TIMEOUT_S} s:\n{stdout}")
-    assert proc.returncode == 0, stdout
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
-
-
 def quick_run(out: Path, *launcher: str) -> tuple[str, list[dict], dict, list[np.ndarray]]:
     """(stdout, history, parameters, the rollout log's selections) of a --quick run."""
     from hyscale_core.io import SelectionLog
 
     done = launch([*launcher, sys.executable, str(EXAMPLE), "--quick", "--device", "cpu", "--out", str(out),
                    "--log", str(out / "rollout.h5")])
+    assert done.returncode == 0, done.stdout
     history = json.loads((out / "history.json").read_text())["history"]
     with np.load(out / "params.npz") as params:
         state = dict(params)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import mpiexec
-from test_mpi_example import launch
+from helpers import launch, mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -28,10 +27,12 @@ TINY = ["--cpu", "--check-len", "320", "--weak-per-gpu", "256", "--strong-len", 
 def test_harness_runs_checks_and_reports_on_cpu_ranks(tmp_path):
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     for ranks, parts in ((1, ["check", "weak", "strong"]), (2, ["check", "weak", "strong", "probe"])):
-        launch([mpiexec(), "-n", str(ranks), sys.executable, "-m", "benchmarks.mpi_scaling", "--out", str(tmp_path),
-                "--parts", *parts, "--probe-len", "2048", *TINY], cwd=ROOT, PYTHONPATH=path)
+        job = launch([mpiexec(), "-n", str(ranks), sys.executable, "-m", "benchmarks.mpi_scaling", "--out",
+                      str(tmp_path), "--parts", *parts, "--probe-len", "2048", *TINY], cwd=ROOT, PYTHONPATH=path)
+        assert job.returncode == 0, job.stdout
     done = launch([sys.executable, "-m", "benchmarks.mpi_scaling", "--report", str(tmp_path / "mpi_scaling.json")],
                   cwd=ROOT, PYTHONPATH=path)
+    assert done.returncode == 0, done.stdout
     rows = json.loads((tmp_path / "mpi_scaling.json").read_text())["rows"]
     got = {(r["config"]["part"], r["config"]["ranks"], r["config"]["seq_len"]) for r in rows}
     assert got == {("check", 1, 320), ("check", 2, 320), ("weak", 1, 256), ("weak", 2, 512), ("strong", 1, 1024),

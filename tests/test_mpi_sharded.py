@@ -3,50 +3,15 @@
 a failing rank ends the job with an error, no hang."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import hyscale_core as hs
 import mpi_ranks as cases
-from helpers import mpiexec
+from helpers import run_ranks
 from hyscale_core.mpi import contiguous_layout, costmodel, zigzag_layout
 
 pytestmark = pytest.mark.mpi
-
-RANKS = Path(__file__).with_name("mpi_ranks.py")
-TIMEOUT_S = 120
-THREADS = {name: "1" for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                                  "MKL_NUM_THREADS")}
-# Open MPI refuses to start as root without these (MPICH ignores them).
-OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-
-
-def run_ranks(n_ranks: int, out: Path, *groups: str) -> subprocess.CompletedProcess:
-    """Run tests/mpi_ranks.py on ``n_ranks`` ranks (one thread each); kill the job at the timeout."""
-    exe = mpiexec()
-    if exe is None:
-        pytest.skip("needs mpiexec (pip install mpich)")
-    cmd = [exe, "-n", str(n_ranks), sys.executable, str(RANKS), str(out), *groups]
-    path = os.pathsep.join([str(RANKS.parent), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, **THREADS, "PYTHONPATH": path}
-    if os.geteuid() == 0:
-        env.update(OPEN_MPI_AS_ROOT)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, _ = proc.communicate()
-        pytest.fail(f"mpiexec -n {n_ranks} hung for {TIMEOUT_S} s:\n{stdout}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
-
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
 def sharded(request, tmp_path_factory):
