@@ -155,14 +155,8 @@ def run_attention(comm: Any, res: Results) -> None:
         res.same(f"attention/{name}/fetched", Fetch(shard, idx).want)
 
 
-def engine_variants() -> list[tuple[bool, bool]]:
-    """(recompute, kl_on_loss_rows) pairs; the second only where TinyDSA.forward has it."""
-    import inspect
-
-    from hyscale_core.engine.model import TinyDSA
-
-    has_kl_rows = "kl_on_loss_rows" in inspect.signature(TinyDSA.forward).parameters
-    return [(False, False), (True, False)] + ([(False, True), (True, True)] if has_kl_rows else [])
+# (recompute, kl_on_loss_rows) of the "engine" group's training steps.
+ENGINE_VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def run_engine(comm: Any, res: Results) -> None:
@@ -173,7 +167,7 @@ def run_engine(comm: Any, res: Results) -> None:
 
     cfg = engine_config()
     shard = make_shard(comm, ENGINE_N)
-    for recompute, kl_rows in engine_variants():
+    for recompute, kl_rows in ENGINE_VARIANTS:
         model = TinyDSA(cfg, seed=1)
         sharded = ShardedTinyDSA(model, shard)
         selector = ShardedSelection(shard, cfg.topk)

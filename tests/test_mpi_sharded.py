@@ -82,21 +82,18 @@ def test_bytes_moved_equal_the_cost_model(sharded, case):
         np.testing.assert_array_equal(got[f"{key}/step_bytes"], step)
 
 
-@pytest.mark.parametrize("recompute, kl_on_loss_rows", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("recompute, kl_on_loss_rows", cases.ENGINE_VARIANTS)
 def test_training_step_matches_one_process(sharded, recompute, kl_on_loss_rows):
     from hyscale_core.engine import backward
     from hyscale_core.engine.model import TinyDSA
     from hyscale_core.engine.optim import AdamW
     from hyscale_core.engine.selection import LiveSelection
 
-    if (recompute, kl_on_loss_rows) not in cases.engine_variants():
-        pytest.skip("this engine's TinyDSA.forward has no kl_on_loss_rows")
     _, got = sharded
     cfg = cases.engine_config()
     model = TinyDSA(cfg, seed=1)
     selector = LiveSelection(cfg.topk)
-    options = {"kl_on_loss_rows": True} if kl_on_loss_rows else {}
-    result = model.forward(*cases.engine_batch(), selector, recompute=recompute, **options)
+    result = model.forward(*cases.engine_batch(), selector, recompute=recompute, kl_on_loss_rows=kl_on_loss_rows)
     backward(result[0])
     AdamW(model.parameters()).step()
     key = f"engine/recompute={recompute}/kl_on_loss_rows={kl_on_loss_rows}"
