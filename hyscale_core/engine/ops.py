@@ -210,8 +210,6 @@ def swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
 def cast(x: Any, dtype: Any) -> Any:
     """x as ``dtype`` (float16/32/64 or ml_dtypes bfloat16), on x's backend; a no-op
     when it already is. bfloat16 rounds to nearest even (CuPy: by bits)."""
-    import numpy as np
-
     dtype = np.dtype(dtype)
     if x.dtype == dtype:
         return x
