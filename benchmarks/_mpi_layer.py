@@ -51,6 +51,23 @@ def check_tol(dtype: str, ranks: int, name: str) -> float:
         return (ranks + 1) * ULP[dtype]
     return 1e-5 if dtype == "float32" else ULP[dtype]
 
+
+# The layer's shape flags and their defaults: DeepSeek-V3.2's DSA (H_I = 64, d_I = 128,
+# k = 2048) and MLA (h = 64, d_qk = 576, d_v = 512).
+SHAPE = {"topk": 2048, "index_heads": 64, "index_dim": 128, "heads": 64, "d_qk": 576, "d_v": 512}
+
+
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """--topk, --index-heads, --index-dim, --heads, --d-qk, --d-v (ints, SHAPE's defaults)."""
+    for name, default in SHAPE.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+
+
+def shape_argv(args: argparse.Namespace) -> list[str]:
+    """The shape of ``args`` as the command-line flags :func:`add_shape_args` reads."""
+    return [item for name in SHAPE for item in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
+
+
 GEN_ROWS = 2048  # rows generated per block (bounds the uint64 temporaries)
 NAMES = ("ik", "kv", "iq", "iw", "q", "dout")
 WORKSPACE = 4 << 30  # the GPU backward's float32 dkv rows per query chunk (sparse_attention/gpu.py ROWS_BYTES)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ._mpi_layer import add_shape_args, shape_argv
 from .common import cpu_device, gpu_device, table, write_results
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mpi_long_context.py"
@@ -42,12 +43,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sizes", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--check-len", type=int, default=4096)
     p.add_argument("--budget-s", type=float, default=70.0, help="seconds for the timed sizes (after the check)")
-    p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--index-heads", type=int, default=64)
-    p.add_argument("--index-dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=64)
-    p.add_argument("--d-qk", type=int, default=576)
-    p.add_argument("--d-v", type=int, default=512)
+    add_shape_args(p)
     p.add_argument("--transport", default="host")
     p.add_argument("--out", default=os.environ.get("OUT") or None)
     return p.parse_args(argv)
@@ -124,9 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     with abort_on_error(comm):
         args = parse(argv)
         example = load_example()
-        common = ["--topk", str(args.topk), "--index-heads", str(args.index_heads), "--index-dim",
-                  str(args.index_dim), "--heads", str(args.heads), "--d-qk", str(args.d_qk), "--d-v", str(args.d_v),
-                  "--transport", args.transport]
+        common = [*shape_argv(args), "--transport", args.transport]
         gpu = example.cupy_module() is not None
         device = (gpu_device() if gpu else cpu_device()) + f"; {comm.Get_size()} MPI ranks sharing it"
         out = Path(args.out) if args.out else None

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from ._mpi_layer import check, context, layer_run, memory_estimate
+from ._mpi_layer import SHAPE, add_shape_args, check, context, layer_run, memory_estimate
 from .common import table, write_results
 
 NAME = "mpi_scaling"
@@ -71,12 +71,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-len", type=int, help="tokens of the probe part")
     p.add_argument("--query-chunk", type=int, default=131072, help="queries per chunk of a rank (weak, strong)")
     p.add_argument("--budget-s", type=float, default=100.0, help="seconds for the weak and strong runs of this job")
-    p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--index-heads", type=int, default=64)
-    p.add_argument("--index-dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=64)
-    p.add_argument("--d-qk", type=int, default=576)
-    p.add_argument("--d-v", type=int, default=512)
+    add_shape_args(p)
     p.add_argument("--dtype", choices=["bfloat16", "float32"],
                    help="inputs (default bfloat16 on GPUs, float32 on CPUs)")
     p.add_argument("--exchange", default="auto", choices=["auto", "allgather", "fetch"])
@@ -128,7 +123,7 @@ def summarise(part: str, result: dict[str, Any], args: argparse.Namespace) -> di
     config = {"part": part, "seq_len": result["n"], "ranks": result["ranks"], "gpus": result["gpus"],
               "transport": result["transport"], "exchange": result["exchange"],
               "query_chunk": result["query_chunk"], "dtype": result["dtype"],
-              **{k: getattr(args, k) for k in ("topk", "index_heads", "index_dim", "heads", "d_qk", "d_v")}}
+              **{k: getattr(args, k) for k in SHAPE}}
     return {"bench": NAME, "config": config, "impl": f"{result['transport']} / {result['exchange']}",
             "median_ms": round(sum(phase_ms.values()), 2), "repeats": 1, "status": "ok",
             "phase_ms": phase_ms, "group_ms": groups,
