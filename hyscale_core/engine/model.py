@@ -39,12 +39,6 @@ class DSAConfig:
         return self.d_v + self.rope_dim
 
 
-def _dtype(name: str) -> np.dtype:
-    from .._dtypes import bfloat16
-
-    return np.dtype(bfloat16 if name == "bfloat16" else name)
-
-
 def _param(xp, rng, shape, scale, name):
     return Tensor(xp.asarray((rng.standard_normal(shape) * scale).astype(np.float32)), requires_grad=True, name=name)
 
@@ -101,7 +95,7 @@ class DSABlock:
         q = ops.Reshape.apply(ops.MatMul.apply(h, p["wq"]), shape=(n, cfg.heads, cfg.d_qk))
         q = ops.RoPETail.apply(q, cos, sin)
         kv = ops.RoPETail.apply(ops.MatMul.apply(h, p["wkv"]), cos, sin)
-        dtype = _dtype(cfg.attention_dtype)
+        dtype = cfg.attention_dtype  # np.dtype knows "bfloat16": hyscale_core imports ml_dtypes
         attn = SparseAttention.apply(ops.Cast.apply(q, dtype=dtype), ops.Cast.apply(kv, dtype=dtype), indices,
                                      d_v=cfg.d_v)
         flat = ops.Reshape.apply(ops.Cast.apply(attn, dtype=np.float32), shape=(n, cfg.heads * cfg.d_v))
