@@ -108,6 +108,17 @@ def test_the_tape_keeps_only_what_functions_save():
     np.testing.assert_allclose(x.grad, 3 * (sig * (1 + 3 * x.data * (1 - sig))))
 
 
+def test_without_grad_functions_keep_nothing():
+    """Under no_grad no Function is recorded, so what one saved goes with it."""
+    x = leaf(np.random.default_rng(10), 1000, name="x")
+    with no_grad():
+        y = ops.Add.apply(x, x)
+        z = ops.SiLU.apply(y)  # SiLU saves its input
+    y_data = weakref.ref(y.data)
+    del y
+    assert y_data() is None and z.ctx is None and not z.requires_grad
+
+
 def test_needs_input_grad_is_honoured():
     calls = []
 

@@ -101,9 +101,7 @@ class Function:
         tensor = Tensor(out, requires_grad=_GRAD_ENABLED[-1] and any(ctx.needs_input_grad))
         tensor.aux = aux
         if tensor.requires_grad:
-            tensor.ctx = ctx
-        else:
-            ctx.saved = ctx.parents = ()
+            tensor.ctx = ctx  # otherwise nothing refers to ctx: it and what it saved are freed on return
         return tensor
 
 
