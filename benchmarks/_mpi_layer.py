@@ -29,6 +29,7 @@ import numpy as np
 import hyscale_core as hs
 from hyscale_core._backend import cupy_module
 from hyscale_core._dtypes import bfloat16
+from hyscale_core.engine.ops import cast
 from hyscale_core.mpi import make_shard, use_local_gpu
 from hyscale_core.mpi.costmodel import allgather_bytes
 from hyscale_core.mpi.exchange import AllGather, modelled_bytes, plan_rows
@@ -105,28 +106,13 @@ def _uniform(xp: Any, positions: Any, width: int, seed: int) -> Any:
 def make(xp: Any, positions: Any, shape: tuple[int, ...], name: str, dtype: str) -> Any:
     """The input ``name`` [len(positions), *shape] at global positions (device int64), in ``dtype``."""
     n, width = int(positions.shape[0]), math.prod(shape)
-    store = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+    target = bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    store = np.uint16 if dtype == "bfloat16" else target
     out = xp.empty((n, width), dtype=store)
     for start in range(0, n, GEN_ROWS):
         block = _uniform(xp, positions[start:start + GEN_ROWS], width, NAMES.index(name))
-        out[start:start + GEN_ROWS] = _narrow(xp, block, dtype).view(store)
-    return out.view(bfloat16 if dtype == "bfloat16" else store).reshape((n,) + shape)
-
-
-def _narrow(xp: Any, x: Any, dtype: str) -> Any:
-    if xp is np:
-        return x.astype(bfloat16 if dtype == "bfloat16" else dtype)
-    from hyscale_core.gpu.convert import narrow
-
-    return narrow(x, bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
-
-
-def _wide32(xp: Any, x: Any) -> Any:
-    if xp is np:
-        return x.astype(np.float32)
-    from hyscale_core.gpu.convert import widen
-
-    return widen(x, np.float32)
+        out[start:start + GEN_ROWS] = cast(block, target).view(store)
+    return out.view(target).reshape((n,) + shape)
 
 
 def _host(x: Any) -> np.ndarray:
@@ -164,7 +150,7 @@ class _KvRows:
             return
         xp = self.shard.xp
         self.grad = xp.zeros(self.table.shape, dtype=np.float32) if self.grad is None else self.grad
-        self.grad += _wide32(xp, dtable)
+        self.grad += cast(dtable, np.float32)
 
     def model(self) -> tuple[Any, Any]:
         """Modelled (sent, received) per rank of the gather and of the gradients' return (collective)."""
