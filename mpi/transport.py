@@ -106,10 +106,6 @@ class Transport:
         """int64 [P]: counts[p] is what this rank sends rank p; returns what each rank sends this one."""
         return np.array(self.comm.alltoall([int(c) for c in counts]), dtype=np.int64)
 
-    def stats(self) -> dict[str, Any]:
-        return {"transport": self.name, "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received, "calls": self.calls}
-
     def close(self) -> None:
         """Free the MPI datatypes this transport made."""
         for row_type in self._row_types.values():
