@@ -29,8 +29,8 @@ THREADS = {name: "1" for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENB
 
 def run_example(ranks: int, options: list[str]) -> dict:
     """The example's summary (its --json) from ``mpiexec -n ranks``."""
-    exe = str(Path(sys.executable).with_name("mpiexec")) if Path(sys.executable).with_name("mpiexec").exists() \
-        else shutil.which("mpiexec")
+    beside = Path(sys.executable).with_name("mpiexec")  # the mpich wheel's, else the one on PATH
+    exe = str(beside) if beside.exists() else shutil.which("mpiexec")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "summary.json"
         cmd = [exe, "-n", str(ranks), sys.executable, str(EXAMPLE), "--cpu", "--json", str(out), *options]
