@@ -28,31 +28,17 @@ import sys
 import numpy as np
 
 import hyscale_core as hs
-
-
-def address_seen_by_hyscale(x) -> int:
-    """Where hyscale-core's DLPack import of ``x`` puts its data (NumPy / CuPy side)."""
-    if x.__dlpack_device__()[0] == 1:  # kDLCPU
-        from hyscale_core._dlpack import host_from_dlpack  # what hs functions use on host arrays
-
-        return host_from_dlpack(x).ctypes.data
-    import cupy as cp
-
-    return cp.from_dlpack(x).data.ptr
-
-
-def cupy_sees_a_gpu() -> bool:
-    try:
-        import cupy as cp
-
-        return cp.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, or no driver
-        return False
+from hyscale_core._backend import as_array, cupy_module
 
 
 def address(x) -> int:
     """Data address of a NumPy or CuPy array."""
     return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def address_seen_by_hyscale(x) -> int:
+    """Where hyscale-core's import of ``x`` (the one every hs function makes) puts its data."""
+    return address(as_array(x, "x")[1])
 
 
 def crossing(what: str, before: int, after: int) -> None:
@@ -83,7 +69,7 @@ def main() -> int:
         print("JAX is not installed, so there is nothing to show: `pip install jax` and run again. "
               "(hyscale-core itself never needs JAX.)")
         return 0
-    if jax.default_backend() == "gpu" and not cupy_sees_a_gpu():
+    if jax.default_backend() == "gpu" and cupy_module() is None:
         print("JAX runs on a GPU but CuPy sees none: install hyscale-core[cuda] for the GPU backend")
         return 0
     n, heads, dim, topk = 512, 8, 64, 32  # indexer: N, H_I, d_I, top-k
