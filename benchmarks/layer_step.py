@@ -89,9 +89,10 @@ def torch_materialised(torch, chunk: int) -> Callable[..., Any]:
 def host_materialised(chunk: int) -> Callable[..., Any]:
     """Baseline without torch: ``hs.indexer_scores`` per query chunk + ``hs.topk``."""
     import hyscale_core as hs
+    from hyscale_core._backend import array_module
 
     def select(q, k, w, topk, *, causal=True, cu_seqlens=None):
-        xp = np if isinstance(q, np.ndarray) else __import__("cupy")
+        xp = array_module(q)
         out = xp.full((q.shape[0], topk), -1, dtype=xp.int32)
         for t0 in range(0, q.shape[0], chunk):
             t1 = min(t0 + chunk, q.shape[0])
@@ -107,8 +108,10 @@ class Device:
     """What differs between the GPU and CPU runs: arrays, synchronisation, memory."""
 
     def __init__(self, gpu: bool) -> None:
+        from hyscale_core._backend import cupy_module
+
         self.gpu = gpu
-        self.xp = __import__("cupy") if gpu else np
+        self.xp = cupy_module() if gpu else np
         try:
             import torch
         except ImportError:
