@@ -159,6 +159,11 @@ class Device:
         return self.xp.get_default_memory_pool().total_bytes() - self._before + torch_peak
 
 
+def selections_per_step(impl: str) -> int:
+    """Selections one step runs: replay selects in the forward only."""
+    return 1 if impl == HYSCALE else 2
+
+
 def timed(fn: Callable[..., Any], dev: Device, spent: list[float]) -> Callable[..., Any]:
     """``fn`` with its wall time (device synchronised) appended to ``spent``."""
 
@@ -238,7 +243,7 @@ def one_step(block, cfg, x_data, g, rope, impl: str, dev: Device, chunk: int) ->
     dev.sync()
     seconds = time.perf_counter() - start
     peak = dev.peak_memory()
-    expected = 1 if impl == HYSCALE else 2
+    expected = selections_per_step(impl)
     if len(spent) != expected:
         raise RuntimeError(f"{impl}: {len(spent)} selections in one step, expected {expected}")
     return seconds, sum(spent), peak
@@ -265,10 +270,10 @@ def predict(last: dict[str, tuple[int, float, float]], impl: str, n: int) -> flo
 def measure(args, dev: Device, n: int, index_heads: int, clock: dict, last: dict, made: dict) -> list[dict]:
     """Rows of every implementation at one shape (empty if skipped)."""
     block, cfg = build(args, index_heads, dev, made)
-    need = activation_bytes(n, cfg)
-    if dev.gpu and need > 0.9 * dev.free_bytes():
+    need, free = activation_bytes(n, cfg), dev.free_bytes()
+    if need > 0.9 * free:
         print(f"  N={n} H_I={index_heads}: skipped, float32 activations need ~{need / 2**30:.0f} GiB, "
-              f"{dev.free_bytes() / 2**30:.0f} GiB free", flush=True)
+              f"{free / 2**30:.0f} GiB free", flush=True)
         return []
     guesses = [predict(last, impl, n) for impl in args.impls]
     if all(g is not None for g in guesses):
@@ -295,7 +300,7 @@ def measure(args, dev: Device, n: int, index_heads: int, clock: dict, last: dict
         label = baseline_label(dev) if impl == BASELINE else impl
         rows.append({"bench": "layer_step", "config": config, "impl": label, "kind": impl,
                      "median_ms": round(step_s * 1e3, 1), "selection_ms": round(sel_s * 1e3, 1),
-                     "selection_share": round(sel_s / step_s, 3), "selections_per_step": 1 if impl == HYSCALE else 2,
+                     "selection_share": round(sel_s / step_s, 3), "selections_per_step": selections_per_step(impl),
                      "peak_extra_gib": round(max(r[2] for r in runs) / 2**30, 2)})
         print(f"[{time.perf_counter() - clock['start']:6.0f} s] N={n} H_I={index_heads} {label}: step "
               f"{step_s * 1e3:.0f} ms, selection {sel_s * 1e3:.0f} ms ({100 * sel_s / step_s:.0f}%), peak +"
