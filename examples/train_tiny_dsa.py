@@ -145,11 +145,16 @@ def run_model(model, batch, topk, xp, train=False, runner=None):
     return out, selector.store
 
 
+def cross_entropy(out, model) -> float:
+    """The answer loss of a forward: its total less the weighted indexer losses."""
+    return out.total - model.cfg.kl_weight * sum(out.kls)
+
+
 def evaluate(model, batch, topk, xp, runner=None) -> dict:
     """Cross-entropy, accuracy and per-layer needle recall in the sparse setting."""
     out, selections = run_model(model, batch, topk, xp, runner=runner)
     logits = out.logits.get() if hasattr(out.logits, "get") else out.logits
-    return {"loss": out.total - model.cfg.kl_weight * sum(out.kls),
+    return {"loss": cross_entropy(out, model),
             "accuracy": float((logits.argmax(axis=1) == batch.targets).mean()),
             "recall": [needle_recall(selections.selection(b.name), batch) for b in model.blocks],
             "kl": out.kls}
@@ -171,7 +176,7 @@ def train(args, xp, task: NeedleTask, warm_task: NeedleTask, model: TinyDSA, run
         out, _ = run_model(model, batch, stage_task.length if dense else args.topk, xp, train=True, runner=runner)
         opt.lr = args.lr * 0.5 * (1 + np.cos(np.pi * step / args.steps))  # cosine decay
         opt.step()
-        train_loss = out.total - model.cfg.kl_weight * sum(out.kls)
+        train_loss = cross_entropy(out, model)
         bar.update(step, f"{'dense' if dense else 'sparse'} L={stage_task.length} loss {train_loss:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
             history.append({"step": step, "stage": "dense" if dense else "sparse", "train_loss": train_loss,
