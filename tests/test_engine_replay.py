@@ -167,6 +167,17 @@ def test_checksum_sees_one_changed_entry_and_a_swap():
     assert len({base, checksum(changed), checksum(swapped), checksum(table.reshape(600, 8))}) == 4
 
 
+def test_checksum_does_not_depend_on_its_row_blocks(monkeypatch):
+    """The table is summed _ROWS rows at a time; any block size gives the same value."""
+    from hyscale_core.engine import selection
+
+    table = np.random.default_rng(7).integers(-1, 1 << 30, (300, 16)).astype(np.int32)
+    whole = checksum(table)  # one block
+    for rows in (1, 7, 64):
+        monkeypatch.setattr(selection, "_ROWS", rows)
+        assert checksum(table) == whole, rows
+
+
 @pytest.mark.gpu
 def test_checksum_is_the_same_on_the_gpu():
     import cupy as cp
