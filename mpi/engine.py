@@ -114,10 +114,11 @@ class ShardedDSABlock(DSABlock):
         q = ops.Reshape.apply(ops.MatMul.apply(h, p["wq"]), shape=(n, cfg.heads, cfg.d_qk))
         q = ops.RoPETail.apply(q, cos, sin)
         kv = ops.RoPETail.apply(ops.MatMul.apply(h, p["wkv"]), cos, sin)
+        q, kv = (ops.Cast.apply(t, dtype=cfg.attention_dtype) for t in (q, kv))  # as DSABlock; kv travels cast
         plan = plan_rows(self.shard, indices, kv.dtype.itemsize * cfg.d_qk, self.exchange)
         attn = SparseAttention.apply(q, GatherRows.apply(kv, plan=plan), ops.constant(plan.remap(indices)),
                                      d_v=cfg.d_v)
-        flat = ops.Reshape.apply(attn, shape=(n, cfg.heads * cfg.d_v))
+        flat = ops.Reshape.apply(ops.Cast.apply(attn, dtype=np.float32), shape=(n, cfg.heads * cfg.d_v))
         x = ops.Add.apply(x, ops.MatMul.apply(flat, p["wo"]))
         kl = self._kl_share(iq, ik_all, iw, indices, attn.aux["probs"], kl_rows)
         y = ops.Add.apply(x, ops.swiglu(ops.RMSNorm.apply(x, p["mlp_norm"]), p["w1"], p["w3"], p["w2"]))

@@ -65,11 +65,11 @@ def attention_data(n: int) -> dict[str, np.ndarray]:
             "indices": causal_selection(rng, n, ATTENTION_K)}
 
 
-def engine_config():
+def engine_config(attention_dtype: str = "float32"):
     from hyscale_core.engine.model import DSAConfig
 
     return DSAConfig(vocab=32, d_model=32, n_layers=2, heads=2, d_v=16, rope_dim=8, d_ff=64, index_heads=2,
-                     index_dim=8, topk=8)
+                     index_dim=8, topk=8, attention_dtype=attention_dtype)
 
 
 def engine_batch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -155,8 +155,13 @@ def run_attention(comm: Any, res: Results) -> None:
         res.same(f"attention/{name}/fetched", Fetch(shard, idx).want)
 
 
-# (recompute, kl_on_loss_rows) of the "engine" group's training steps.
-ENGINE_VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
+# (recompute, kl_on_loss_rows, attention_dtype) of the "engine" group's training steps.
+ENGINE_VARIANTS = [(False, False, "float32"), (True, False, "float32"), (False, True, "float32"),
+                   (True, True, "float32"), (False, False, "bfloat16"), (True, True, "bfloat16")]
+
+
+def engine_key(recompute: bool, kl_on_loss_rows: bool, attention_dtype: str) -> str:
+    return f"engine/recompute={recompute}/kl_on_loss_rows={kl_on_loss_rows}/{attention_dtype}"
 
 
 def run_engine(comm: Any, res: Results) -> None:
@@ -165,15 +170,15 @@ def run_engine(comm: Any, res: Results) -> None:
     from hyscale_core.mpi import make_shard
     from hyscale_core.mpi.engine import ShardedSelection, ShardedTinyDSA, shard_batch, train_step
 
-    cfg = engine_config()
     shard = make_shard(comm, ENGINE_N)
-    for recompute, kl_rows in ENGINE_VARIANTS:
+    for recompute, kl_rows, attention_dtype in ENGINE_VARIANTS:
+        cfg = engine_config(attention_dtype)
         model = TinyDSA(cfg, seed=1)
         sharded = ShardedTinyDSA(model, shard)
         selector = ShardedSelection(shard, cfg.topk)
         total, kls = train_step(sharded, AdamW(model.parameters()), shard_batch(shard, *engine_batch()), selector,
                                 recompute=recompute, kl_on_loss_rows=kl_rows)
-        key = f"engine/recompute={recompute}/kl_on_loss_rows={kl_rows}"
+        key = engine_key(recompute, kl_rows, attention_dtype)
         res.same(f"{key}/total", [total] + kls)
         for layer in selector.store.layers():
             res.rows(f"{key}/selection/{layer}", shard, selector.store.selection(layer))

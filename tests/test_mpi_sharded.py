@@ -82,21 +82,22 @@ def test_bytes_moved_equal_the_cost_model(sharded, case):
         np.testing.assert_array_equal(got[f"{key}/step_bytes"], step)
 
 
-@pytest.mark.parametrize("recompute, kl_on_loss_rows", cases.ENGINE_VARIANTS)
-def test_training_step_matches_one_process(sharded, recompute, kl_on_loss_rows):
+@pytest.mark.parametrize("recompute, kl_on_loss_rows, attention_dtype", cases.ENGINE_VARIANTS)
+def test_training_step_matches_one_process(sharded, recompute, kl_on_loss_rows, attention_dtype):
     from hyscale_core.engine import backward
     from hyscale_core.engine.model import TinyDSA
     from hyscale_core.engine.optim import AdamW
     from hyscale_core.engine.selection import LiveSelection
 
     _, got = sharded
-    cfg = cases.engine_config()
+    cfg = cases.engine_config(attention_dtype)
     model = TinyDSA(cfg, seed=1)
     selector = LiveSelection(cfg.topk)
     result = model.forward(*cases.engine_batch(), selector, recompute=recompute, kl_on_loss_rows=kl_on_loss_rows)
     backward(result[0])
+    grads = {p.name: p.grad for p in model.parameters()}
     AdamW(model.parameters()).step()
-    key = f"engine/recompute={recompute}/kl_on_loss_rows={kl_on_loss_rows}"
+    key = cases.engine_key(recompute, kl_on_loss_rows, attention_dtype)
     for layer in selector.store.layers():
         np.testing.assert_array_equal(got[f"{key}/selection/{layer}"], selector.store.selection(layer))
     totals = got[f"{key}/total"]
@@ -105,7 +106,12 @@ def test_training_step_matches_one_process(sharded, recompute, kl_on_loss_rows):
     for p in model.parameters():
         params = got[f"{key}/param/{p.name}"]
         assert all(params[r].tobytes() == params[0].tobytes() for r in range(len(params))), p.name
-        np.testing.assert_allclose(params[0], p.data, rtol=0, atol=1e-5, err_msg=p.name)
+        if attention_dtype == "float32":
+            np.testing.assert_allclose(params[0], p.data, rtol=0, atol=1e-5, err_msg=p.name)
+        else:  # each rank's dkv rounded to bfloat16 before the owner sums: Adam's first step, about
+            # lr * sign(g), may differ only where g is within a bfloat16 ulp of max |g| from zero
+            off, g = ~(np.abs(params[0] - p.data) <= 1e-5), np.abs(grads[p.name])
+            assert (g[off] <= 2.0**-8 * g.max()).all(), p.name
 
 
 def test_transport_moves_irregular_bfloat16_rows(sharded):
