@@ -167,14 +167,14 @@ class ShardedTinyDSA:
         cfg, m = self.cfg, self.model
         rope = ops.rope_tables(self.xp, self.shard.device("positions"), cfg.rope_dim)
         x = ops.Embedding.apply(m.embed, ops.constant(ids))
-        kl_rows = {"kl_rows": rows} if kl_on_loss_rows else {}
+        kl_rows = rows if kl_on_loss_rows else None
         kls: list[Any] = []
         for block in self.blocks:
             if recompute:
-                x = checkpoint(block, x, rope, selector, cfg.kl_weight, **kl_rows)
+                x = checkpoint(block, x, rope, selector, cfg.kl_weight, kl_rows=kl_rows)
                 kls.append(x.aux["kl"])
             else:
-                x, kl = block.forward(x, rope, selector, **kl_rows)
+                x, kl = block.forward(x, rope, selector, kl_rows)
                 kls.append(kl)
         logits = ops.MatMul.apply(ops.RMSNorm.apply(ops.TakeRows.apply(x, ops.constant(rows)), m.final_norm),
                                   m.head)
