@@ -1,4 +1,4 @@
-"""Rank program of the MPI tests (tests/test_mpi_sharded.py).
+"""Rank program of the MPI tests (launched by tests/helpers.py run_ranks).
 
     mpiexec -n P python tests/mpi_ranks.py OUT.npz GROUP...
 
