@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import hyscale_core as hs
-from hyscale_core._backend import cupy_module
+from hyscale_core._backend import cupy_module, to_host
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.engine.ops import cast
 from hyscale_core.mpi import make_shard, use_local_gpu
@@ -115,10 +115,6 @@ def make(xp: Any, positions: Any, shape: tuple[int, ...], name: str, dtype: str)
     return out.view(target).reshape((n,) + shape)
 
 
-def _host(x: Any) -> np.ndarray:
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
 def _chunks(shard: Any, chunk: int | None) -> list[slice]:
     """This rank's query rows in as many chunks as the busiest rank needs (every rank the same count)."""
     count = 1 if not chunk else max(1, math.ceil(int(shard.counts.max()) / chunk))
@@ -187,13 +183,13 @@ def layer_step(shard: Any, ctx: dict[str, Any], args: argparse.Namespace, log: P
         rows_of_kv.add_grad(dtable)
         if keep:
             for name, value in (("selection", selection), ("out", out), ("lse", lse), ("dq", dq)):
-                kept[name].append(_host(value))
+                kept[name].append(to_host(value))
         del q, dout, out, lse, dq, dtable, local, selection
     with log.phase("dkv"):
         dkv = rows_of_kv.plan.to_owners(rows_of_kv.grad)
     kv_model, dkv_model = rows_of_kv.model()
     keys_model = allgather_bytes(shard.counts, ik.dtype.itemsize * args.index_dim)
-    kept = {**{name: np.concatenate(parts) for name, parts in kept.items()}, "dkv": _host(dkv)} if keep else {}
+    kept = {**{name: np.concatenate(parts) for name, parts in kept.items()}, "dkv": to_host(dkv)} if keep else {}
     return {"exchange": rows_of_kv.plan.mode, "kept": kept,
             "model": {"keys": keys_model, "kv": kv_model, "dkv": dkv_model}}
 
@@ -261,7 +257,7 @@ def one_device(ctx: dict[str, Any], args: argparse.Namespace, n: int) -> dict[st
     selection = hs.indexer_topk(data["iq"], data["ik"], data["iw"], args.topk)
     out, lse = hs.sparse_attention(data["q"], data["kv"], selection, d_v=args.d_v)
     dq, dkv = hs.sparse_attention_backward(data["q"], data["kv"], selection, out, lse, data["dout"], d_v=args.d_v)
-    return {name: _host(v) for name, v in zip(("selection", "out", "lse", "dq", "dkv"), (selection, out, lse, dq, dkv))}
+    return {name: to_host(v) for name, v in zip(("selection", "out", "lse", "dq", "dkv"), (selection, out, lse, dq, dkv))}
 
 
 def check(comm: Any, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any] | None:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 import hyscale_core as hs
-from hyscale_core._backend import cupy_module
+from hyscale_core._backend import cupy_module, to_host
 from hyscale_core.mpi import abort_on_error, make_shard, use_local_gpu
 from hyscale_core.mpi.costmodel import allgather_bytes
 from hyscale_core.mpi.exchange import AllGather, modelled_bytes, plan_rows
@@ -114,22 +114,18 @@ def layer_step(shard: Any, data: dict[str, Any], args: argparse.Namespace, log: 
             "model": {"keys": keys, "kv": model["gather"], "dkv": model["to_owners"]}}
 
 
-def host(x: Any) -> np.ndarray:
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
 def check_against_one_process(shard: Any, xp: Any, args: argparse.Namespace, result: dict[str, Any]) -> dict | None:
     """Rank 0: the layer on all N tokens in one process against the gathered
     sharded results (selection exact; attention max relative differences)."""
     names = ("selection", "out", "lse", "dq", "dkv")
-    parts = shard.comm.gather((shard.positions, {k: host(result[k]) for k in names}), root=0)
+    parts = shard.comm.gather((shard.positions, {k: to_host(result[k]) for k in names}), root=0)
     if parts is None:
         return None
     data = make_inputs(xp, np.arange(shard.n), args)
     sel = hs.indexer_topk(data["iq"], data["ik"], data["iw"], args.topk, cu_seqlens=shard.cu_seqlens)
     out, lse = hs.sparse_attention(data["q"], data["kv"], sel, d_v=args.d_v)
     dq, dkv = hs.sparse_attention_backward(data["q"], data["kv"], sel, out, lse, data["dout"], d_v=args.d_v)
-    ref = {k: host(v) for k, v in zip(names, (sel, out, lse, dq, dkv))}
+    ref = {k: to_host(v) for k, v in zip(names, (sel, out, lse, dq, dkv))}
     report = {}
     for k in names:
         got = np.empty_like(ref[k])

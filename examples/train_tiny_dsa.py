@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 import hyscale_core as hs
-from hyscale_core._backend import cupy_module
+from hyscale_core._backend import cupy_module, to_host
 from hyscale_core.engine import AdamW, DSAConfig, LiveSelection, TinyDSA, backward, no_grad
 from hyscale_core.engine.needle import NeedleTask, needle_recall
 from hyscale_core.mpi import abort_on_error, launched_world, use_local_gpu
@@ -153,7 +153,7 @@ def cross_entropy(out, model) -> float:
 def evaluate(model, batch, topk, xp, runner=None) -> dict:
     """Cross-entropy, accuracy and per-layer needle recall in the sparse setting."""
     out, selections = run_model(model, batch, topk, xp, runner=runner)
-    logits = out.logits.get() if hasattr(out.logits, "get") else out.logits
+    logits = to_host(out.logits)
     return {"loss": cross_entropy(out, model),
             "accuracy": float((logits.argmax(axis=1) == batch.targets).mean()),
             "recall": [needle_recall(selections.selection(b.name), batch) for b in model.blocks],

@@ -99,6 +99,11 @@ def xp_for(backend: str) -> Any:
     return np
 
 
+def to_host(x: Any) -> np.ndarray:
+    """``x`` as a NumPy array: CuPy arrays are copied to the host, NumPy ones returned as they are."""
+    return x.get() if _is_cupy_array(x) else np.asarray(x)
+
+
 def array_module(a: Any) -> Any:
     """numpy or cupy, whichever owns ``a`` (for code generic over both)."""
     return xp_for(GPU if _is_cupy_array(a) else CPU)

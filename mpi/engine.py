@@ -31,7 +31,7 @@ import numpy as np
 
 import hyscale_core as hs
 
-from .._backend import array_module
+from .._backend import array_module, to_host
 from ..engine import backward
 from ..engine import ops
 from ..engine.attention import IndexerKL, IndexerScoresAt, SparseAttention
@@ -141,7 +141,7 @@ def shard_batch(shard: Shard, ids: Any, rows: Any, targets: Any) -> tuple[Any, A
     targets [m], M)`` from the global ids [N], prediction positions rows [M]
     (distinct) and targets [M]; M is the global target count."""
     xp = shard.xp
-    rows_h = np.asarray(rows.get() if hasattr(rows, "get") else rows, dtype=np.int64)
+    rows_h = to_host(rows).astype(np.int64, copy=False)
     mine = np.flatnonzero(shard.owner[rows_h] == shard.rank)
     local_rows = xp.asarray(shard.local_index[rows_h[mine]])
     return ids[shard.device("positions")], local_rows, targets[xp.asarray(mine)], int(rows_h.shape[0])
@@ -225,10 +225,6 @@ def train_step(model: ShardedTinyDSA, optimizer: AdamW, batch: tuple[Any, Any, A
     return out.total, out.kls
 
 
-def _host(x: Any) -> np.ndarray:
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
 class ShardedRunner:
     """A :class:`TinyDSA` run with every batch's sequence sharded over ``comm``:
     what a training loop calls instead of ``TinyDSA.forward`` under ``mpiexec``.
@@ -279,12 +275,12 @@ class ShardedRunner:
         else:
             with no_grad():
                 out = model.forward(*batch, selector, recompute=recompute, kl_on_loss_rows=kl_on_loss_rows)
-        owner = shard.owner[np.asarray(_host(rows), dtype=np.int64)]
-        logits = self._gather(_host(out.logits), [np.flatnonzero(owner == r) for r in range(shard.size)],
+        owner = shard.owner[np.asarray(to_host(rows), dtype=np.int64)]
+        logits = self._gather(to_host(out.logits), [np.flatnonzero(owner == r) for r in range(shard.size)],
                               len(owner))
         store = SelectionStore()
         for layer in selector.store.layers():
-            store.put(layer, self._gather(_host(selector.store.selection(layer)), shard.layout.positions, shard.n))
+            store.put(layer, self._gather(to_host(selector.store.selection(layer)), shard.layout.positions, shard.n))
         return out._replace(logits=logits), store
 
     def _gather(self, local: np.ndarray, where: Any, total: int) -> Any:

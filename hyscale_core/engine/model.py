@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._backend import to_host
 from . import ops
 from .attention import IndexerKL, IndexerScoresAt, SparseAttention
 from .checkpoint import checkpoint
@@ -145,7 +146,7 @@ class TinyDSA:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameter name -> host copy of its float32 array."""
-        return {p.name: np.array(p.data.get() if hasattr(p.data, "get") else p.data) for p in self.parameters()}
+        return {p.name: np.array(to_host(p.data)) for p in self.parameters()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Copy arrays (by parameter name, same shapes) into the parameters."""

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from .._backend import to_host
+
 
 @dataclass(frozen=True)
 class NeedleBatch:
@@ -82,5 +84,5 @@ class NeedleTask:
 
 def needle_recall(selection: Any, batch: NeedleBatch) -> float:
     """Fraction of the query rows whose selection (int32 [N, k]) holds the needle."""
-    picked = np.asarray(selection.get() if hasattr(selection, "get") else selection)[batch.rows]
+    picked = to_host(selection)[batch.rows]
     return float((picked == batch.needles[:, None]).any(axis=1).mean())
