@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hyscale_core._backend import cupy_module
+from hyscale_core._backend import cupy_module, to_host  # noqa: F401  (re-exported to the tests)
 from hyscale_core._dtypes import TOPK_DTYPES, is_float
 
 HAS_GPU = cupy_module() is not None
@@ -78,10 +78,6 @@ def awkward_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
 
 def topk_dtype_params():
     return [pytest.param(d, id=d.name) for d in TOPK_DTYPES]
-
-
-def to_host(x):
-    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
 
 
 def same_bits(a, b) -> bool:
