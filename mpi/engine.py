@@ -34,7 +34,7 @@ import hyscale_core as hs
 from .._backend import array_module, to_host
 from ..engine import backward
 from ..engine import ops
-from ..engine.attention import IndexerKL, IndexerScoresAt, SparseAttention
+from ..engine.attention import SparseAttention
 from ..engine.checkpoint import checkpoint
 from ..engine.model import DSABlock, Forward, TinyDSA
 from ..engine.optim import AdamW
@@ -96,43 +96,29 @@ class ShardedDSABlock(DSABlock):
         self.cfg, self.name, self.params = block.cfg, block.name, block.params
         self.shard, self.exchange = shard, exchange
 
-    def forward(self, x: Tensor, rope: tuple[Any, Any], selector: Any, kl_rows: Any = None
-                ) -> tuple[Tensor, Tensor]:
-        """x [n_local, d] -> (y [n_local, d], this rank's share of the block's KL loss).
+    # DSABlock.forward runs on this rank's rows [n_local, d] with rope at this
+    # rank's global positions; these are the places where tokens meet.
 
-        rope: (cos, sin) at this rank's global positions; selector: a
-        :class:`ShardedSelection` or a replay of one; kl_rows: int [m], local
-        rows the indexer loss averages over (default all; the mean is over
-        every rank's rows, so the share is the local mean times m / M).
-        """
-        cfg, p, n = self.cfg, self.params, x.shape[0]
-        cos, sin = (ops.constant(t) for t in rope)
-        h = ops.RMSNorm.apply(x, p["attn_norm"])
-        iq, ik, iw = self._indexer(h, n)
+    def _select(self, selector: Any, iq: Tensor, ik: Tensor, iw: Tensor) -> tuple[Any, Tensor]:
+        """Select this rank's queries over the all-gathered keys (global order);
+        ``selector`` is a :class:`ShardedSelection` or a replay of one."""
         ik_all = GatherRows.apply(ik, plan=AllGather(self.shard, global_order=True))
-        indices = selector.select(self.name, iq.data, ik_all.data, iw.data)
-        q = ops.Reshape.apply(ops.MatMul.apply(h, p["wq"]), shape=(n, cfg.heads, cfg.d_qk))
-        q = ops.RoPETail.apply(q, cos, sin)
-        kv = ops.RoPETail.apply(ops.MatMul.apply(h, p["wkv"]), cos, sin)
-        q, kv = (ops.Cast.apply(t, dtype=cfg.attention_dtype) for t in (q, kv))  # as DSABlock; kv travels cast
-        plan = plan_rows(self.shard, indices, kv.dtype.itemsize * cfg.d_qk, self.exchange)
-        attn = SparseAttention.apply(q, GatherRows.apply(kv, plan=plan), ops.constant(plan.remap(indices)),
-                                     d_v=cfg.d_v)
-        flat = ops.Reshape.apply(ops.Cast.apply(attn, dtype=np.float32), shape=(n, cfg.heads * cfg.d_v))
-        x = ops.Add.apply(x, ops.MatMul.apply(flat, p["wo"]))
-        kl = self._kl_share(iq, ik_all, iw, indices, attn.aux["probs"], kl_rows)
-        y = ops.Add.apply(x, ops.swiglu(ops.RMSNorm.apply(x, p["mlp_norm"]), p["w1"], p["w3"], p["w2"]))
-        return y, kl
+        return selector.select(self.name, iq.data, ik_all.data, iw.data), ik_all
 
-    def _kl_share(self, iq: Tensor, ik_all: Tensor, iw: Tensor, indices: Any, probs: Any, kl_rows: Any) -> Tensor:
-        """The local indexer KL mean times (local rows / every rank's rows)."""
-        count = iq.shape[0]
-        if kl_rows is not None:
-            rows = ops.constant(kl_rows)
-            iq, iw = ops.TakeRows.apply(iq, rows), ops.TakeRows.apply(iw, rows)
-            indices, probs, count = indices[kl_rows], probs[kl_rows], int(kl_rows.shape[0])
+    def _attend(self, q: Tensor, kv: Tensor, indices: Any) -> Tensor:
+        """Attend over the kv rows the selections use, fetched from their owners
+        (cast already: they travel in the attention dtype)."""
+        plan = plan_rows(self.shard, indices, kv.dtype.itemsize * self.cfg.d_qk, self.exchange)
+        return SparseAttention.apply(q, GatherRows.apply(kv, plan=plan), ops.constant(plan.remap(indices)),
+                                     d_v=self.cfg.d_v)
+
+    def _kl(self, iq: Tensor, ik_all: Tensor, iw: Tensor, indices: Any, probs: Any, kl_rows: Any) -> Tensor:
+        """This rank's share of the block's KL loss: the local mean over
+        ``kl_rows`` (local rows; default all) times those rows over every
+        rank's rows."""
+        kl = super()._kl(iq, ik_all, iw, indices, probs, kl_rows)
+        count = iq.shape[0] if kl_rows is None else int(kl_rows.shape[0])
         total = self.shard.comm.allreduce(count) if kl_rows is not None else self.shard.n
-        kl = IndexerKL.apply(IndexerScoresAt.apply(iq, ik_all, iw, ops.constant(indices)), ops.constant(probs))
         return ops.Mul.apply(kl, ops.constant(kl.data * 0 + count / max(total, 1)))
 
 

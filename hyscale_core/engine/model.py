@@ -92,23 +92,36 @@ class DSABlock:
         cos, sin = (ops.constant(t) for t in rope)
         h = ops.RMSNorm.apply(x, p["attn_norm"])
         iq, ik, iw = self._indexer(h, n)
-        indices = ops.constant(selector.select(self.name, iq.data, ik.data, iw.data))
+        indices, ik = self._select(selector, iq, ik, iw)
         q = ops.Reshape.apply(ops.MatMul.apply(h, p["wq"]), shape=(n, cfg.heads, cfg.d_qk))
         q = ops.RoPETail.apply(q, cos, sin)
         kv = ops.RoPETail.apply(ops.MatMul.apply(h, p["wkv"]), cos, sin)
         dtype = cfg.attention_dtype  # np.dtype knows "bfloat16": hyscale_core imports ml_dtypes
-        attn = SparseAttention.apply(ops.Cast.apply(q, dtype=dtype), ops.Cast.apply(kv, dtype=dtype), indices,
-                                     d_v=cfg.d_v)
+        attn = self._attend(ops.Cast.apply(q, dtype=dtype), ops.Cast.apply(kv, dtype=dtype), indices)
         flat = ops.Reshape.apply(ops.Cast.apply(attn, dtype=np.float32), shape=(n, cfg.heads * cfg.d_v))
         x = ops.Add.apply(x, ops.MatMul.apply(flat, p["wo"]))
-        probs = attn.aux["probs"]
+        kl = self._kl(iq, ik, iw, indices, attn.aux["probs"], kl_rows)
+        y = ops.Add.apply(x, ops.swiglu(ops.RMSNorm.apply(x, p["mlp_norm"]), p["w1"], p["w3"], p["w2"]))
+        return y, kl
+
+    # Where the block's tokens meet other tokens: a sharded block (mpi/engine.py)
+    # overrides these three and shares the rest of forward.
+
+    def _select(self, selector: Any, iq: Tensor, ik: Tensor, iw: Tensor) -> tuple[Any, Tensor]:
+        """``(indices int32 [N, topk], the indexer keys the loss scores against)``."""
+        return selector.select(self.name, iq.data, ik.data, iw.data), ik
+
+    def _attend(self, q: Tensor, kv: Tensor, indices: Any) -> Tensor:
+        """Sparse attention of q [N, h, d_qk] over the kv rows [N, d_qk] that ``indices`` select."""
+        return SparseAttention.apply(q, kv, ops.constant(indices), d_v=self.cfg.d_v)
+
+    def _kl(self, iq: Tensor, ik: Tensor, iw: Tensor, indices: Any, probs: Any, kl_rows: Any) -> Tensor:
+        """The indexer KL loss, averaged over ``kl_rows`` (default all rows)."""
         if kl_rows is not None:
             rows = ops.constant(kl_rows)
             iq, iw = ops.TakeRows.apply(iq, rows), ops.TakeRows.apply(iw, rows)
-            indices, probs = ops.constant(indices.data[kl_rows]), probs[kl_rows]
-        kl = IndexerKL.apply(IndexerScoresAt.apply(iq, ik, iw, indices), ops.constant(probs))
-        y = ops.Add.apply(x, ops.swiglu(ops.RMSNorm.apply(x, p["mlp_norm"]), p["w1"], p["w3"], p["w2"]))
-        return y, kl
+            indices, probs = indices[kl_rows], probs[kl_rows]
+        return IndexerKL.apply(IndexerScoresAt.apply(iq, ik, iw, ops.constant(indices)), ops.constant(probs))
 
 
 class Forward(NamedTuple):
