@@ -37,6 +37,7 @@ namespace {
 
 constexpr int H = HS_IDX_HEADS;
 constexpr int D = HS_IDX_DIM;
+constexpr bool F16 = HS_IDX_F16;   // float16 operands, else bfloat16
 constexpr int QROWS = 256;          // query-head rows per group: the wgmma N
 constexpr int TQ = QROWS / H;       // queries per group
 constexpr int KT = 64;              // keys per tile: the wgmma M
@@ -72,13 +73,8 @@ __device__ __forceinline__ void mma_tile(float (&acc)[128], const unsigned char*
     wgmma_fence_operands(acc);
     wgmma_fence();
     #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#if HS_IDX_F16
-        wgmma_m64n256k16_f16(acc, wgmma_desc_k(k_tile, kk, KT), wgmma_desc_k(q_tile, kk, QROWS), kk > 0);
-#else
-        wgmma_m64n256k16_bf16(acc, wgmma_desc_k(k_tile, kk, KT), wgmma_desc_k(q_tile, kk, QROWS), kk > 0);
-#endif
-    }
+    for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_m64n256k16<F16>(acc, wgmma_desc_k(k_tile, kk, KT), wgmma_desc_k(q_tile, kk, QROWS), kk > 0);
     wgmma_commit();
     wgmma_wait_all();
     wgmma_fence_operands(acc);

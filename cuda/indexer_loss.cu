@@ -164,13 +164,13 @@ il_scores_at(const E* q, const E* k, const float* w, const int* indices, float* 
     const Role role = warp_role();
     stage_queries(qs, q, t, h);
     stage_keys(kbuf, idx[0], nullptr, k, indices, nullptr, t, kk, 0);
-    async_commit();
+    cp_async_commit();
     if (threadIdx.x < HP) w_s[threadIdx.x] = (int)threadIdx.x < h ? w[(size_t)t * h + threadIdx.x] : 0.f;
     for (int b = 0; b < nb; ++b) {
         const int buf = b & 1;
         if (b + 1 < nb) stage_keys(kbuf + (buf ^ 1) * K_TILE, idx[buf ^ 1], nullptr, k, indices, nullptr, t, kk, b + 1);
-        async_commit();
-        async_wait<1>();  // block b (and the query rows) landed for this thread; the barrier publishes them
+        cp_async_commit();
+        cp_async_wait<1>();  // block b (and the query rows) landed for this thread; the barrier publishes them
         if (__syncthreads_or(threadIdx.x < BK && idx[buf][threadIdx.x] >= 0)) {
             float acc[NW][4];
             block_logits(acc, qs, kbuf + buf * K_TILE, role.mt, role.part * NW);
@@ -189,7 +189,7 @@ il_scores_at(const E* q, const E* k, const float* w, const int* indices, float* 
         }
         __syncthreads();  // part, key buffer `buf` and idx[buf] are free for block b + 2
     }
-    async_wait<0>();
+    cp_async_wait<0>();
 }
 
 // Grid: C CTAs (a chunk of queries; every pointer starts at the chunk's first
@@ -214,7 +214,7 @@ il_scores_at_backward(const E* q, const E* k, const float* w, const int* indices
     const int g = lane_g(), c = lane_c();
     stage_queries(qs, q, t, h);
     if (nb > 0) stage_keys(kbuf, idx[0], gsl[0], k, indices, dscores, t, kk, 0);
-    async_commit();
+    cp_async_commit();
     if (threadIdx.x < HP) w_s[threadIdx.x] = (int)threadIdx.x < h ? w[(size_t)t * h + threadIdx.x] : 0.f;
     float g_max = 0.f, w_max = 0.f;
     for (int i = threadIdx.x; i < kk; i += THREADS)
@@ -229,8 +229,8 @@ il_scores_at_backward(const E* q, const E* k, const float* w, const int* indices
         const E* kb = kbuf + buf * K_TILE;
         if (b + 1 < nb)
             stage_keys(kbuf + (buf ^ 1) * K_TILE, idx[buf ^ 1], gsl[buf ^ 1], k, indices, dscores, t, kk, b + 1);
-        async_commit();
-        async_wait<1>();
+        cp_async_commit();
+        cp_async_wait<1>();
         // A block without valid slots adds nothing; skipping it reads no shared memory past the barrier.
         if (!__syncthreads_or(threadIdx.x < BK && idx[buf][threadIdx.x] >= 0)) continue;
         float acc[NW][4], dw_block[2];
@@ -243,7 +243,7 @@ il_scores_at_backward(const E* q, const E* k, const float* w, const int* indices
         write_rows(rows + (size_t)t * kk * D, wt, qs, idx[buf], gsl[buf], w_scale, b);
         __syncthreads();  // P, W, key buffer `buf` and its idx / gsl are free for block b + 2
     }
-    async_wait<0>();
+    cp_async_wait<0>();
     #pragma unroll
     for (int j = 0; j < DW; ++j) {
         const int dt = role.part * DW + j;

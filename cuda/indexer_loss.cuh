@@ -21,6 +21,7 @@
 #pragma once
 
 #include "select.cuh"
+#include "tiles.cuh"
 
 #ifndef HS_IL_TYPE
 #define HS_IL_TYPE 0
@@ -34,6 +35,13 @@
 
 namespace il {
 
+using hs::cp_async16;
+using hs::cp_async_commit;
+using hs::cp_async_wait;
+using hs::half_to_float;
+using hs::neg_inf;
+using hs::pack_half2;
+
 #if HS_IL_TYPE == 2
 typedef float E;  // element of q, k and the operand tiles
 #else
@@ -41,6 +49,7 @@ typedef u16 E;
 #endif
 
 constexpr bool F32 = HS_IL_TYPE == 2;
+constexpr bool F16 = HS_IL_TYPE == 1;
 constexpr int D = HS_IL_DIM;
 constexpr int MT = HS_IL_MTILES;
 constexpr int HP = 16 * MT;                // heads, padded
@@ -69,7 +78,6 @@ static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8, "HS_IL_MTILES must be 1,
 static_assert(NT % WPM == 0 && THREADS >= HP && THREADS >= BK, "warp roles");
 static_assert(SMEM_BACKWARD <= 220 * 1024, "shared memory");
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ int lane_g() { return (threadIdx.x & 31) >> 2; }
 __device__ __forceinline__ int lane_c() { return threadIdx.x & 3; }
 
@@ -84,22 +92,14 @@ __device__ __forceinline__ Role warp_role() {
     return Role{w % MT, w / MT};
 }
 
-// ---- 16-byte asynchronous copies ----------------------------------------------------------------
-
-__device__ __forceinline__ void copy16_async(void* smem, const void* gmem) {
-    const u32 addr = static_cast<u32>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// ---- staging ------------------------------------------------------------------------------------
 
 // Chunk `ch` of a D-element row into a tile row: copied from `src_row` when
 // valid, zeros otherwise (a plain store: `src_row` is not read then).
 __device__ __forceinline__ void stage_chunk(E* dst_row, const E* src_row, bool valid, int ch) {
     E* dst = dst_row + ch * EPC;
     if (valid)
-        copy16_async(dst, src_row + ch * EPC);
+        cp_async16(dst, src_row + ch * EPC);
     else
         *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
 }
@@ -265,36 +265,12 @@ __device__ __forceinline__ void zero_tiles(float (&acc)[N][4]) {
 
 // ---- element stores ------------------------------------------------------------------------------
 
-#if HS_IL_TYPE != 2
-// Two floats rounded to nearest-even 16-bit values, packed (lo in the low half).
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 out;
-#if HS_IL_TYPE == 1
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
-#endif
-    return out;
-}
-
-// The float value of 16-bit bits.
-__device__ __forceinline__ float to_float(u32 bits16) {
-#if HS_IL_TYPE == 1
-    float out;
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"((u16)bits16));
-    return out;
-#else
-    return __uint_as_float(bits16 << 16);
-#endif
-}
-#endif
-
 // dst[0], dst[1] = x0, x1 rounded once to E (dst 2-element aligned).
 __device__ __forceinline__ void store_pair(E* dst, float x0, float x1) {
 #if HS_IL_TYPE == 2
     *reinterpret_cast<float2*>(dst) = make_float2(x0, x1);
 #else
-    *reinterpret_cast<u32*>(dst) = pack2(x0, x1);
+    *reinterpret_cast<u32*>(dst) = pack_half2<F16>(x0, x1);
 #endif
 }
 
@@ -305,9 +281,10 @@ __device__ __forceinline__ void store_parts(E* tiles, int offset, float x0, floa
 #if HS_IL_TYPE == 2
     store_pair(tiles + offset, x0, x1);
 #else
-    const u32 hi = pack2(x0, x1);
+    const u32 hi = pack_half2<F16>(x0, x1);
     *reinterpret_cast<u32*>(tiles + offset) = hi;
-    *reinterpret_cast<u32*>(tiles + P_TILE + offset) = pack2(x0 - to_float(hi & 0xFFFFu), x1 - to_float(hi >> 16));
+    *reinterpret_cast<u32*>(tiles + P_TILE + offset) =
+        pack_half2<F16>(x0 - half_to_float<F16>((u16)(hi & 0xFFFFu)), x1 - half_to_float<F16>((u16)(hi >> 16)));
 #endif
 }
 

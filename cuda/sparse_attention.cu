@@ -94,7 +94,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[16], float (&o)[128], fl
             sum[r] += p0;
             sum[r] += p1;
             *reinterpret_cast<u32*>(p_tile + tile_offset(ln.row0 + 8 * r, ln.w * 32 + 8 * j + ln.cq)) =
-                pack_half2(p0, p1);
+                pack_half2<F16>(p0, p1);
         }
     #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
@@ -108,8 +108,8 @@ __device__ __forceinline__ void add_pv(float (&o)[128], const unsigned char* p_t
     mma_begin(o);
     #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
-        sa_mma_n256<0, 1>(o, wgmma_desc_k(p_tile, kk, 64),
-                          wgmma_desc_mn(tile + ln.w * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);
+        wgmma_m64n256k16<F16, 0, 1>(o, wgmma_desc_k(p_tile, kk, 64),
+                                    wgmma_desc_mn(tile + ln.w * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);
     mma_end();
     wgmma_fence_operands(o);
 }
@@ -191,7 +191,7 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
         u16* dst = out + ((size_t)t * h + head) * DV + ln.w * 256 + ln.cq;
         #pragma unroll
         for (int j = 0; j < 32; ++j)
-            *reinterpret_cast<u32*>(dst + 8 * j) = pack_half2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+            *reinterpret_cast<u32*>(dst + 8 * j) = pack_half2<F16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         if (ln.w == 0 && (threadIdx.x & 3) == 0) lse[(size_t)t * h + head] = lse2[r] * LN2;
     }
     if (probs == nullptr) return;

@@ -15,7 +15,10 @@
 
 #include "select.cuh"
 #include "wgmma.cuh"
-#include "sparse_attention_mma.cuh"
+
+#ifndef HS_SA_F16
+#define HS_SA_F16 0
+#endif
 
 using namespace hs;
 
@@ -26,6 +29,7 @@ constexpr int DV = 512;       // d_v
 constexpr int BH = 64;        // heads per CTA: the M of the head-major products
 constexpr int BK = 64;        // slots per key block
 constexpr int THREADS = 256;  // two warpgroups
+constexpr bool F16 = HS_SA_F16;  // float16 data, else bfloat16
 constexpr int REGION = 64 * 128;  // one region of a 64-row tile: 64 rows x 64 16-bit elements
 constexpr int Q_BYTES = D / 64 * REGION;
 constexpr int KV_BYTES = D / 64 * REGION;
@@ -36,8 +40,6 @@ constexpr int K_STEP_ROWS = 16 * 128;    // 16 rows of a region: one k-step of a
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 static_assert(D % 64 == 0 && DV == 512 && DV <= D, "the tile code is written for d_qk = 576, d_v = 512");
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // This thread's place in the wgmma accumulator layout (m64nN, float32).
 struct Lane {
@@ -152,7 +154,7 @@ template <int FIRST, int LAST>
 __device__ __forceinline__ void issue_rows32(float (&acc)[16], const unsigned char* a, const unsigned char* b) {
     #pragma unroll
     for (int kk = FIRST; kk < LAST; ++kk)
-        sa_mma_n32<0, 0>(acc, wgmma_desc_k(a, kk, 64), wgmma_desc_k(b, kk, 64), kk > 0);
+        wgmma_m64n32k16<F16, 0, 0>(acc, wgmma_desc_k(a, kk, 64), wgmma_desc_k(b, kk, 64), kk > 0);
 }
 
 }  // namespace

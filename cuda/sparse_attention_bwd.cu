@@ -51,8 +51,8 @@ __device__ __forceinline__ float dot_halves(uint4 a, uint4 b) {
     float acc = 0.f;
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        acc = fmaf(half_to_float((u16)(av[i] & 0xFFFF)), half_to_float((u16)(bv[i] & 0xFFFF)), acc);
-        acc = fmaf(half_to_float((u16)(av[i] >> 16)), half_to_float((u16)(bv[i] >> 16)), acc);
+        acc = fmaf(half_to_float<F16>((u16)(av[i] & 0xFFFF)), half_to_float<F16>((u16)(bv[i] & 0xFFFF)), acc);
+        acc = fmaf(half_to_float<F16>((u16)(av[i] >> 16)), half_to_float<F16>((u16)(bv[i] >> 16)), acc);
     }
     return acc;
 }
@@ -96,10 +96,10 @@ __device__ __forceinline__ void write_ds(const float (&s)[16], const float (&dp)
                 p[c] = live && idx[col + c] >= 0 ? exp2f(s[i] * sl2 - lse2) : 0.f;
                 ds[c] = constant_p ? 0.f : p[c] * (dp[i] - delta);
             }
-            const u32 off = tile_offset(row, col), ds2 = pack_half2(ds[0], ds[1]);
+            const u32 off = tile_offset(row, col), ds2 = pack_half2<F16>(ds[0], ds[1]);
             *reinterpret_cast<u32*>(ds_tile + off) = ds2;
             *reinterpret_cast<u32*>(image + off) = ds2;
-            *reinterpret_cast<u32*>(image + P_BYTES + off) = pack_half2(p[0] * inv_scale, p[1] * inv_scale);
+            *reinterpret_cast<u32*>(image + P_BYTES + off) = pack_half2<F16>(p[0] * inv_scale, p[1] * inv_scale);
         }
     }
 }
@@ -116,8 +116,8 @@ __device__ __forceinline__ void add_ds_kv(float (&acc)[128], float (&rope)[32], 
     #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
         const u64 a = wgmma_desc_k(ds_tile, kk, 64);
-        sa_mma_n256<0, 1>(acc, a, wgmma_desc_mn(tile + ln.w * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);
-        sa_mma_n64<0, 1>(rope, a, wgmma_desc_mn(tile + 8 * REGION + kk * K_STEP_ROWS, REGION), 1);
+        wgmma_m64n256k16<F16, 0, 1>(acc, a, wgmma_desc_mn(tile + ln.w * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);
+        wgmma_m64n64k16<F16, 0, 1>(rope, a, wgmma_desc_mn(tile + 8 * REGION + kk * K_STEP_ROWS, REGION), 1);
     }
     mma_end();
     wgmma_fence_operands(acc);
@@ -214,7 +214,7 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
         if (head >= h) continue;
         u16* dst = dq + ((size_t)t * h + head) * D;
         store_row(acc, rope, r, scale, ln, [&](int c, float a, float v) {
-            *reinterpret_cast<u32*>(dst + c) = pack_half2(a, v);
+            *reinterpret_cast<u32*>(dst + c) = pack_half2<F16>(a, v);
         });
     }
 }
@@ -267,9 +267,10 @@ sa_backward_dkv_rows(const u16* q, const u16* dout, const int* indices, const un
             const u64 a_ds = wgmma_desc_mn(ds_img + kk * K_STEP_ROWS, REGION);
             const u64 a_p = wgmma_desc_mn(ds_img + P_BYTES + kk * K_STEP_ROWS, REGION);
             const int n0 = ln.w * 4 * REGION + kk * K_STEP_ROWS;
-            sa_mma_n256<1, 1>(acc, a_ds, wgmma_desc_mn(q_tile + n0, REGION), kk > 0);
-            sa_mma_n256<1, 1>(acc, a_p, wgmma_desc_mn(do_tile + n0, REGION), 1);
-            sa_mma_n64<1, 1>(rope, a_ds, wgmma_desc_mn(q_tile + 8 * REGION + kk * K_STEP_ROWS, REGION), kk > 0);
+            wgmma_m64n256k16<F16, 1, 1>(acc, a_ds, wgmma_desc_mn(q_tile + n0, REGION), kk > 0);
+            wgmma_m64n256k16<F16, 1, 1>(acc, a_p, wgmma_desc_mn(do_tile + n0, REGION), 1);
+            wgmma_m64n64k16<F16, 1, 1>(rope, a_ds, wgmma_desc_mn(q_tile + 8 * REGION + kk * K_STEP_ROWS, REGION),
+                                       kk > 0);
         }
         mma_end();
         wgmma_fence_operands(acc);
