@@ -19,6 +19,7 @@
 // Scores (indexer_scores_*) run the same tile code and write the table, so
 // both give bitwise-identical scores.
 #include "select.cuh"
+#include "topk_keys.cuh"
 #include "wgmma.cuh"
 
 using namespace hs;
@@ -52,10 +53,7 @@ static_assert(D % 64 == 0 && D <= 256, "head dim must be a multiple of 64");
 constexpr u32 NEG_INF_BITS = 0xFF800000u;
 constexpr u32 NEG_INF_KEY = 0x007FFFFFu;  // key of -inf: thresholds start here
 
-__device__ __forceinline__ u32 score_key(u32 bits) {
-    const KeyCodec<u32> codec{0xFFFFFFFFu, 0x80000000u, 0x7F800000u, 0x007FFFFFu, true, false};
-    return codec.key(bits);
-}
+__device__ __forceinline__ u32 score_key(u32 bits) { return Float32<false>::key(bits); }
 
 __device__ __forceinline__ u32 key_to_bits(u32 key) { return (key & 0x80000000u) ? (key ^ 0x80000000u) : ~key; }
 

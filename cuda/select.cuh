@@ -1,5 +1,6 @@
-// Device pieces shared by the selection kernels: order-preserving keys,
-// block-wide scans, shared-memory histograms, a radix select and bitonic sorts.
+// Device pieces shared by the selection kernels: block-wide scans,
+// shared-memory histograms, a radix select and bitonic sorts (their
+// order-preserving keys: topk_keys.cuh).
 //
 // Every function named block_* must be called by all threads of the block
 // (it contains __syncthreads); warp_* by all 32 lanes of a warp.
@@ -17,30 +18,6 @@ namespace hs {
 constexpr int DIGIT_BITS = 11;
 constexpr int MAX_BINS = 1 << DIGIT_BITS;
 constexpr int MAX_WARPS = 32;
-
-// Order-preserving key of raw bits (see hyscale_core/ops/topk/keys.py):
-// floats map every NaN above +inf and -0.0 onto +0.0; integers flip the sign
-// bit; `invert` complements the key for smallest-first selection.
-template <typename K>
-struct KeyCodec {
-    K ones, sign, exp_mask, mant_mask;
-    bool is_float, invert;
-
-    __device__ __forceinline__ K key(K bits) const {
-        K k;
-        if (is_float) {
-            if ((bits & exp_mask) == exp_mask && (bits & mant_mask) != 0) {
-                k = ones;
-            } else {
-                if (bits == sign) bits = 0;
-                k = (bits & sign) ? (~bits & ones) : (bits | sign);
-            }
-        } else {
-            k = bits ^ sign;
-        }
-        return invert ? (~k & ones) : k;
-    }
-};
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
