@@ -213,18 +213,8 @@ __device__ void span_ties(const typename D::Bits* row, const Layout& L, u32 s, t
         found += __shfl_sync(FULL_MASK, inclusive, 31);
     };
     auto scalars = [&](u32 first, u32 count) {
-        uint4 x = {};
         const bool mine = lane_id() < count;
-        if (mine) {
-            const typename D::Bits b = row[first + lane_id()];
-            if constexpr (sizeof(b) == 8) {
-                x.x = (u32)b;
-                x.y = (u32)(b >> 32);
-            } else {
-                x.x = (u32)b;
-            }
-        }
-        piece(x, mine ? 1u : 0u, first + lane_id());
+        piece(mine ? scalar_vector<D>(row, first + lane_id()) : uint4{}, mine ? 1u : 0u, first + lane_id());
     };
     if (s == 0 && L.head) scalars(0, L.head);
     const uint4* vec = reinterpret_cast<const uint4*>(row + L.head);

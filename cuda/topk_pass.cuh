@@ -189,21 +189,24 @@ __device__ __forceinline__ void pass_step(const uint4 (&x)[UNROLL], u32 valid, u
         append_sparse<D>(x, maybe, ibase, ustride, p, ties);
 }
 
+// Element i of a row as a vector of one element (slot 0, the rest zero), for
+// the head and tail scalars of a row.
+template <class D>
+__device__ __forceinline__ uint4 scalar_vector(const typename D::Bits* row, u32 i) {
+    const typename D::Bits b = row[i];
+    uint4 x = {};
+    x.x = (u32)b;
+    if constexpr (sizeof(b) == 8) x.y = (u32)(b >> 32);
+    return x;
+}
+
 // One scalar per lane (lanes < count): elements first + lane.
 template <class D>
 __device__ __forceinline__ void pass_scalars(const typename D::Bits* row, u32 first, u32 count, const Pass<D>& p,
                                              u32& ties) {
     uint4 x[UNROLL] = {};
     const bool mine = lane_id() < count;
-    if (mine) {
-        const typename D::Bits b = row[first + lane_id()];
-        if constexpr (sizeof(b) == 8) {
-            x[0].x = (u32)b;
-            x[0].y = (u32)(b >> 32);
-        } else {
-            x[0].x = (u32)b;
-        }
-    }
+    if (mine) x[0] = scalar_vector<D>(row, first + lane_id());
     pass_step<D>(x, mine ? 1u : 0u, first + lane_id(), 0, p, ties);
 }
 
