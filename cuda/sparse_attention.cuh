@@ -76,14 +76,15 @@ __device__ __forceinline__ unsigned char* aligned_dynamic_smem() {
     return dynamic_smem + ((1024 - (addr & 1023)) & 1023);
 }
 
-// This thread's share of staging one 64-row tile of WIDTH 16-bit columns:
-// row threadIdx.x / 4 from `src` (zeros when !valid), 16-byte chunks
-// threadIdx.x % 4, + 4, + 8, ...
-template <int WIDTH>
+// This thread's share of staging a row into one 64-row tile: row
+// threadIdx.x / 4 from `src` (zeros when !valid), 16-byte chunks
+// threadIdx.x % 4 + 4 i for i in [FIRST, LAST) (i < WIDTH / 32 covers a row
+// of WIDTH 16-bit columns).
+template <int FIRST, int LAST>
 __device__ __forceinline__ void stage_row(unsigned char* tile, const u16* src, bool valid) {
     const int r = threadIdx.x >> 2;
     #pragma unroll
-    for (int i = 0; i < WIDTH / 32; ++i) {
+    for (int i = FIRST; i < LAST; ++i) {
         const int c = (threadIdx.x & 3) + 4 * i;
         cp_async16(tile + swizzled_offset(r, c, 64), src + c * 8, valid);
     }
@@ -94,7 +95,7 @@ template <int WIDTH>
 __device__ __forceinline__ void stage_heads(unsigned char* tile, const u16* x, int t, int g, int h) {
     const int head = g * BH + (threadIdx.x >> 2);
     const bool valid = head < h;
-    stage_row<WIDTH>(tile, x + ((size_t)t * h + (valid ? head : 0)) * WIDTH, valid);
+    stage_row<0, WIDTH / 32>(tile, x + ((size_t)t * h + (valid ? head : 0)) * WIDTH, valid);
 }
 
 // The key of this thread's slot, b*BK + threadIdx.x / 4, of query t: -1 when
@@ -105,17 +106,11 @@ __device__ __forceinline__ int slot_key(const int* indices, int t, int k, int b)
 }
 
 // This thread's share of gathering kv row s (zeros when s < 0) into row
-// threadIdx.x / 4 of a key tile: 16-byte chunks threadIdx.x % 4 + 4 i for
-// i in [FIRST, LAST) (i < 8 covers features 0..255, the first 4 regions).
+// threadIdx.x / 4 of a key tile, chunks as stage_row's (i < 8 covers
+// features 0..255, the first 4 regions).
 template <int FIRST, int LAST>
 __device__ __forceinline__ void stage_key_row(unsigned char* tile, const u16* kv, int s) {
-    const int r = threadIdx.x >> 2;
-    const u16* src = kv + (size_t)(s >= 0 ? s : 0) * D;
-    #pragma unroll
-    for (int i = FIRST; i < LAST; ++i) {
-        const int c = (threadIdx.x & 3) + 4 * i;
-        cp_async16(tile + swizzled_offset(r, c, 64), src + c * 8, s >= 0);
-    }
+    stage_row<FIRST, LAST>(tile, kv + (size_t)(s >= 0 ? s : 0) * D, s >= 0);
 }
 
 __device__ __forceinline__ void record_key(int* idx, int s) {
