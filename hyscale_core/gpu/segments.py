@@ -1,11 +1,35 @@
-"""Deterministic scatter-add on the GPU: contributions grouped by key with a
-sort on (key, position) and summed in position order by cuda/segment_sum.cu."""
+"""Deterministic scatter-add on the GPU: the valid entries of an index table
+grouped by key (``key_segments``, shared by every per-key sum of the GPU
+backends) and summed in position order by cuda/segment_sum.cu."""
 from __future__ import annotations
 
 import numpy as np
 
 from .._backend import cupy_module
 from .module import get_kernel
+
+
+def key_segments(indices, dtype):
+    """The valid entries (>= 0) of an index table grouped by key.
+
+    indices: CuPy int array [N, k]. Returns None when no entry is valid, else
+    ``(positions, starts, keys)``, C-contiguous arrays of ``dtype``:
+    ``positions`` are flat positions into ``indices`` (t * k + i) in ascending
+    (key, position) order; segment s is ``positions[starts[s]:starts[s + 1]]``,
+    whose entries all hold ``keys[s]``; keys ascend and ``starts`` has one
+    entry more than ``keys``.
+    """
+    cp = cupy_module()
+    flat = indices.reshape(-1)
+    skipped = int(cp.count_nonzero(flat < 0))
+    if skipped == flat.size:
+        return None
+    positions = cp.argsort(flat)[skipped:]  # stable: the -1 entries, then each key's positions in ascending order
+    keys = flat[positions]
+    first = cp.flatnonzero(cp.concatenate([cp.ones(1, dtype=cp.bool_), keys[1:] != keys[:-1]]))
+    starts = cp.concatenate([first, cp.asarray([keys.size])])
+    return (cp.ascontiguousarray(positions.astype(dtype)), starts.astype(dtype),
+            cp.ascontiguousarray(keys[first].astype(dtype)))
 
 
 def scatter_add_rows(indices, rows, out) -> None:
@@ -16,20 +40,14 @@ def scatter_add_rows(indices, rows, out) -> None:
     (t, i) order, identically on every run.
     """
     cp = cupy_module()
-    flat_idx = indices.reshape(-1).astype(cp.int64)
-    valid = cp.flatnonzero(flat_idx >= 0)
-    if valid.size == 0:
+    segments = key_segments(indices, cp.int64)
+    if segments is None:
         return
-    keys = flat_idx[valid]
-    order = cp.argsort(keys * np.int64(flat_idx.size) + valid)  # unique: any sort gives one order
-    keys, positions = keys[order], valid[order]
+    positions, starts, keys = segments
     width = rows.shape[-1]
     picked = cp.ascontiguousarray(rows.reshape(-1, width)[positions])
-    boundary = cp.flatnonzero(cp.concatenate([cp.ones(1, dtype=cp.bool_), keys[1:] != keys[:-1]]))
-    starts = cp.concatenate([boundary, cp.asarray([keys.size])]).astype(cp.int64)
-    seg_keys = cp.ascontiguousarray(keys[boundary])
-    n_seg = int(boundary.size)
+    n_seg = int(keys.size)
     name = "segment_sum_f64" if rows.dtype == cp.float64 else "segment_sum_f32"
     total = n_seg * width
     get_kernel("segment_sum", name)(((total + 255) // 256,), (256,),
-                                    (picked, starts, seg_keys, np.int32(n_seg), np.int32(width), out))
+                                    (picked, starts, keys, np.int32(n_seg), np.int32(width), out))

@@ -54,6 +54,7 @@ from ..._backend import cupy_module
 from ..._dtypes import bfloat16
 from ...gpu.convert import narrow, widen
 from ...gpu.module import get_kernel
+from ...gpu.segments import key_segments
 from . import gpu_fallback
 
 FALLBACK_ENV = "HYSCALE_INDEXER_LOSS_FALLBACK"
@@ -138,19 +139,12 @@ def add_rows_by_key(indices, rows, dk, comp, cfg: Config) -> None:
     """dk[s] += every row of the chunk whose slot selected key s, in ascending
     (query, slot) order, compensated (comp: the running errors, float32 [Nk, D]
     like dk; the sum is dk - comp). indices int32 [C, kk]; rows float32 [C * kk, D]."""
-    cp = cupy_module()
-    flat = indices.reshape(-1)
-    pos = cp.flatnonzero(flat >= 0)
-    if pos.size == 0:
+    segments = key_segments(indices, cupy_module().int32)
+    if segments is None:
         return
-    keys = flat[pos].astype(cp.int64)
-    order = cp.argsort(keys * flat.size + pos)  # distinct sort keys: every sort gives this one order
-    keys, pairs = keys[order], cp.ascontiguousarray(pos[order].astype(cp.int32))
-    first = cp.flatnonzero(cp.concatenate([cp.ones(1, dtype=cp.bool_), keys[1:] != keys[:-1]]))
-    starts = cp.concatenate([first, cp.asarray([keys.size])]).astype(cp.int32)
-    seg_keys = cp.ascontiguousarray(keys[first].astype(cp.int32))
-    get_kernel(MODULE, "il_dk_segments", 0, cfg.defines)((int(first.size),), (cfg.dim // 4,),
-                                                          (rows, pairs, starts, seg_keys, dk, comp))
+    pairs, starts, keys = segments
+    get_kernel(MODULE, "il_dk_segments", 0, cfg.defines)((int(keys.size),), (cfg.dim // 4,),
+                                                          (rows, pairs, starts, keys, dk, comp))
 
 
 def indexer_scores_at_backward(q, k, w, indices, dscores):

@@ -37,6 +37,7 @@ from ..._backend import cupy_module
 from ..._dtypes import bfloat16
 from ...gpu.convert import narrow, widen
 from ...gpu.module import get_kernel
+from ...gpu.segments import key_segments
 from . import gpu_fallback
 
 # cuda/sparse_attention.cuh
@@ -156,20 +157,13 @@ def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...]):
 def add_rows_by_key(indices, rows, groups: int, dkv, defines: tuple[str, ...]) -> None:
     """dkv[s] += every row of the chunk whose slot selected key s, in ascending
     (query, slot, group) order. indices int32 [C, k]; rows float32 [C * groups * k, 576]."""
-    cp = cupy_module()
-    k = indices.shape[1]
-    flat = indices.reshape(-1)
-    order = cp.argsort(flat)  # stable: -1 slots first, then each key's slots in ascending position
-    skipped = int(cp.count_nonzero(flat < 0))
-    if skipped == flat.size:
+    segments = key_segments(indices, cupy_module().int32)
+    if segments is None:
         return
-    pairs = cp.ascontiguousarray(order[skipped:].astype(cp.int32))
-    keys = flat[pairs]
-    first = cp.flatnonzero(cp.concatenate([cp.ones(1, dtype=cp.bool_), keys[1:] != keys[:-1]]))
-    starts = cp.concatenate([first, cp.asarray([keys.size])]).astype(cp.int32)
-    seg_keys = cp.ascontiguousarray(keys[first])
-    _kernel("sa_dkv_segments", 0, defines)((int(first.size),), (D_QK // 4,),
-                                           (rows, pairs, starts, seg_keys, np.int32(k), np.int32(groups), dkv))
+    pairs, starts, keys = segments
+    k = indices.shape[1]
+    _kernel("sa_dkv_segments", 0, defines)((int(keys.size),), (D_QK // 4,),
+                                           (rows, pairs, starts, keys, np.int32(k), np.int32(groups), dkv))
 
 
 def backward_operands(q, kv, out, lse, dout, d_v: int, scale: float):
