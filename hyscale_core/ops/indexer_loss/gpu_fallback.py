@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..._backend import cupy_module
 from ...gpu.convert import narrow, widen
 from ...gpu.segments import scatter_add_rows
-from ..sparse_attention.gpu_fallback import _chunks, _dtype, _gathered
+from ..sparse_attention.gpu_fallback import _chunks, _gathered
 
 
 def _logits(cp, q, k, idx, dt):
@@ -25,7 +25,7 @@ def _logits(cp, q, k, idx, dt):
 
 def indexer_scores_at(q, k, w, indices):
     cp = cupy_module()
-    dt = _dtype(cp, q, k)
+    dt = cp.float64
     scores = cp.empty(indices.shape, dtype=cp.float32)
     for t0, t1 in _chunks(q.shape[0], indices.shape[1], q.shape[2]):
         valid, _, logits = _logits(cp, q[t0:t1], k, indices[t0:t1], dt)
@@ -36,7 +36,7 @@ def indexer_scores_at(q, k, w, indices):
 
 def indexer_scores_at_backward(q, k, w, indices, dscores):
     cp = cupy_module()
-    dt = _dtype(cp, q, k)
+    dt = cp.float64
     dq = cp.empty(q.shape, dtype=q.dtype)
     dw = cp.empty(w.shape, dtype=w.dtype)
     dk = cp.zeros(k.shape, dtype=dt)
@@ -55,7 +55,7 @@ def indexer_scores_at_backward(q, k, w, indices, dscores):
 
 def indexer_kl_loss(scores_at, probs):
     cp = cupy_module()
-    dt = _dtype(cp, scores_at, probs)
+    dt = cp.float64
     s, p = widen(scores_at, dt), widen(probs, dt)
     n = s.shape[0]
     valid = s > -cp.inf

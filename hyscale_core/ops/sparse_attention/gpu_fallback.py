@@ -19,10 +19,6 @@ from ...gpu.segments import scatter_add_rows
 CHUNK_BYTES = 256 << 20  # gathered rows per query chunk
 
 
-def _dtype(cp, *arrays):
-    return cp.float64
-
-
 def _chunks(n: int, k: int, d_qk: int):
     rows = max(1, CHUNK_BYTES // max(1, k * d_qk * 8))
     for t0 in range(0, n, rows):
@@ -55,7 +51,7 @@ def _probabilities(cp, logits, valid, lse=None):
 def sparse_attention(q, kv, indices, d_v: int, scale: float):
     cp = cupy_module()
     n, h, d_qk = q.shape
-    dt = _dtype(cp, q, kv)
+    dt = cp.float64
     out = cp.empty((n, h, d_v), dtype=q.dtype)
     lse = cp.empty((n, h), dtype=cp.float32)
     probs = cp.empty(indices.shape, dtype=cp.float32)
@@ -72,7 +68,7 @@ def sparse_attention(q, kv, indices, d_v: int, scale: float):
 def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float):
     cp = cupy_module()
     n, h, d_qk = q.shape
-    dt = _dtype(cp, q, kv)
+    dt = cp.float64
     dq = cp.empty(q.shape, dtype=q.dtype)
     dkv = cp.zeros(kv.shape, dtype=dt)
     for t0, t1 in _chunks(n, indices.shape[1], d_qk):
