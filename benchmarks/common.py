@@ -120,6 +120,14 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.nbytes / (ms * 1e-3) / 1e9
 
 
+def matmul_rate_tflops(torch) -> float:
+    """torch's bfloat16 matmul rate on the current device, TFLOP/s (8192^3, median of 10)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = time_gpu(lambda i: a @ b, repeats=10)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """Fixed-width text table of the given columns."""
     cells = [[str(r.get(c, "")) for c in columns] for r in rows]

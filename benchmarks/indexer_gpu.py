@@ -15,16 +15,9 @@ import time
 
 import numpy as np
 
-from .common import gpu_device, table, time_gpu, write_results
+from .common import gpu_device, matmul_rate_tflops, table, write_results
 
 PACKED = [50000, 30000, 20000, 15000, 10000, 6072]  # 131072 tokens
-
-
-def matmul_rate_tflops(torch) -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = time_gpu(lambda i: a @ b, repeats=10)
-    return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
 def inputs(cp, n, heads, dim, seed=0):

@@ -26,16 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import copy_bandwidth_gbs, gpu_device, table, time_gpu, write_results
+from .common import copy_bandwidth_gbs, gpu_device, matmul_rate_tflops, table, time_gpu, write_results
 
 D_QK, D_V = 576, 512
-
-
-def matmul_rate_tflops(torch) -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = time_gpu(lambda i: a @ b, repeats=10)
-    return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
 def inputs(torch, n, h, k, seed=0):
