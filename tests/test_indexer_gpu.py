@@ -51,6 +51,7 @@ MASKS = {
     "causal": {},
     "non_causal": dict(causal=False),
     "packed_1_7_300": dict(cu_seqlens=np.array([0, 1, 8, 308, 1000])),
+    "packed_63_64_65": dict(cu_seqlens=np.array([0, 63, 127, 192, 1000])),  # around the 64-key tile
 }
 
 
@@ -105,3 +106,27 @@ def test_repeated_runs_are_identical():
     first = to_host(hs.indexer_topk(q, k, w, 512))
     for _ in range(3):
         np.testing.assert_array_equal(to_host(hs.indexer_topk(q, k, w, 512)), first)
+
+
+def test_nan_and_inf_inputs_stream_like_materialised():
+    """NaN in q or k: relu(NaN) = 0, so keys 100 and 101 (NaN) score exactly 0 for every query (a
+    tie); an inf in key 500 gives +-inf and NaN scores (NaN ranks above +inf). The streaming
+    selection still equals the table's top-k, and picked scores keep the table's bits."""
+    import cupy
+
+    _, (q, k, w) = device_inputs(1000, 1000, 64, 128, seed=6)
+    q[3, 5, 7] = np.nan
+    k[100] = np.nan
+    k[101, 3] = np.nan
+    k[500, 0] = np.inf
+    q, k, w = (cupy.asarray(a) for a in (q, k, w))
+    for mask in MASKS:
+        table = to_host(hs.indexer_scores(q, k, w, **MASKS[mask]))
+        if mask == "causal":
+            assert (table[101:, [100, 101]] == 0).all() and np.isnan(table[500:, 500]).any()
+        for topk in (1, 7, 64, 2048):
+            selection, picked = hs.indexer_topk(q, k, w, topk, return_scores=True, **MASKS[mask])
+            sel = to_host(selection)
+            np.testing.assert_array_equal(sel, materialised(table, topk), err_msg=f"{mask} topk={topk}")
+            expect = np.where(sel >= 0, np.take_along_axis(table, np.maximum(sel, 0), axis=1), -np.inf)
+            assert same_bits(picked, expect.astype(np.float32))

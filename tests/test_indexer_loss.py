@@ -608,3 +608,60 @@ def test_gpu_kernel_memory_stays_within_the_stated_bounds(kernels_only, monkeypa
     with _peak_hook() as hook:
         gpu.indexer_kl_loss(scores, probs)
     assert hook.peak <= n * kk * 4 + n * 8 + slack, hook.peak
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def kernel_backend(request):
+    """"cpu", or "gpu" held to the kernels with poisoned outputs (``kernels_only`` and ``poisoned``)."""
+    if request.param == "gpu":
+        request.getfixturevalue("kernels_only")
+        request.getfixturevalue("poisoned")
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(bfloat16, id="bfloat16"), pytest.param(np.dtype(np.float16),
+                                   id="float16"), pytest.param(np.dtype(np.float32), id="float32")])
+@pytest.mark.parametrize("n, k", [(4, 63), (5, 65), (3, 300)])
+def test_kernel_shapes_slot_counts_around_a_block(kernel_backend, dtype, n, k):
+    """kk one slot short of and one past a 64-slot block, and a partial fifth block: scores, their
+    backward and the KL loss."""
+    q, keys, w, indices = make_inputs(np.random.default_rng(40 + k), n, 16, k, 500, dtype=dtype)
+    check_scores(kernel_backend, q, keys, w, indices)
+    check_scores_backward(kernel_backend, q, keys, w, indices)
+    scores, probs = make_loss_inputs(np.random.default_rng(41 + k), n, k)
+    loss, dscores = hs.indexer_kl_loss(*on(kernel_backend, scores, probs))
+    ref_loss, ref_d = reference.indexer_kl_loss(scores, probs)
+    assert_within_twice_naive("dscores", to_host(dscores), naive_kl(scores, probs)[1], ref_d)
+    assert abs(float(loss) - ref_loss) <= 1e-5 * max(abs(ref_loss), 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_kernels_and_fallback_agree_on_nan_inputs(monkeypatch, dtype):
+    """Both GPU paths take relu(NaN) = 0: a NaN in q[2, 5] or in key row s leaves every score
+    finite, and the backward's NaNs (dq at that feature for queries selecting s, dk at q's NaN
+    feature for query 2's keys) fall on the same entries."""
+    gpu, _ = _gpu_backend()
+    monkeypatch.delenv(gpu.FALLBACK_ENV, raising=False)
+    q, keys, w, indices = make_inputs(np.random.default_rng(33), 6, 16, 70, 200, dtype=dtype)
+    s = int(indices[0, np.flatnonzero(indices[0] >= 0)[0]])
+    q[2, 5, 9] = np.nan
+    keys[s, 4] = np.nan
+    g = np.random.default_rng(34).standard_normal(indices.shape).astype(np.float32)
+    args = on("gpu", q, keys, w, indices, g)
+    assert gpu.config(args[0], args[1]) is not None
+
+    def run():
+        return (hs.indexer_scores_at(*args[:4]), *hs.indexer_scores_at_backward(*args))
+
+    kernels = [to_host(x).astype(np.float64) for x in run()]
+    monkeypatch.setenv(gpu.FALLBACK_ENV, "1")
+    primitives = [to_host(x).astype(np.float64) for x in run()]
+    assert not np.isnan(kernels[0]).any() and np.isnan(kernels[1][0, :, 4]).all()
+    assert np.isnan(kernels[2][indices[2][indices[2] >= 0], 9]).all()
+    for name, a, b in zip(("scores", "dq", "dk", "dw"), kernels, primitives):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
+        np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b), err_msg=name)
+        finite = np.isfinite(b)
+        np.testing.assert_allclose(a[finite], b[finite], rtol=2e-2, atol=1e-2 * np.abs(b[finite]).max(),
+                                   err_msg=name)

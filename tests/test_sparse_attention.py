@@ -530,3 +530,66 @@ def test_kernels_empty_selections(kernels):
         assert (dq == 0).all() and (dkv == 0).all()
     out, lse = hs.sparse_attention(*on("gpu", q[:0], kv, np.zeros((0, 5), np.int32)))
     assert out.shape == (0, 16, D_V) and lse.shape == (0, 16)
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def kernel_backend(request):
+    """"cpu", or "gpu" held to the kernels (as the ``kernels`` fixture: fallback refused, outputs poisoned)."""
+    if request.param == "gpu":
+        request.getfixturevalue("kernels")
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("n, k", [(1, 63), (5, 65), (3, 300)])
+def test_kernel_shapes_slot_counts_around_a_block(kernel_backend, dtype, n, k):
+    """k one slot short of and one past a 64-slot block, and a partial fifth block; down to one query."""
+    q, kv, indices = make_inputs(np.random.default_rng(26 + k), n, 16, k, 500, dtype=dtype)
+    check_forward(kernel_backend, q, kv, indices)
+    check_backward(kernel_backend, q, kv, indices)
+
+
+def _changed(a, b, lead):
+    """Where a and b differ in any bit, over their first ``lead`` axes (bool)."""
+    a, b = to_host(a), to_host(b)
+    width = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    diff = a.view(width) != b.view(width)
+    return diff.reshape(diff.shape[:lead] + (-1,)).any(axis=-1)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_shapes_nan_stays_in_the_rows_it_reaches(kernel_backend, dtype):
+    """A NaN in q[t, j] makes out[t, j] all NaN and lse[t, j] not finite; a NaN in kv row s does so
+    for every head of every query selecting s; a NaN in dout[t, j] makes dq[t, j] all NaN and the dkv
+    rows of t's keys NaN. Every other output keeps the bits of the run without the NaN (probs of a
+    touched query aside: its heads are summed)."""
+    rng = np.random.default_rng(29)
+    q, kv, indices = make_inputs(rng, 6, 16, 70, 200, dtype=dtype)
+    dout = rng.standard_normal((6, 16, D_V)).astype(dtype)
+    clean = hs.sparse_attention(*on(kernel_backend, q, kv, indices), return_probs=True)
+    s = int(indices[0, np.flatnonzero(indices[0] >= 0)[0]])
+    q_nan, kv_nan = q.copy(), kv.copy()
+    q_nan[2, 5, 100] = np.nan
+    kv_nan[s, 550] = np.nan
+    reached_q = np.zeros((6, 16), bool)
+    reached_q[2, 5] = True
+    reached_kv = np.broadcast_to((indices == s).any(axis=1)[:, None], (6, 16))
+    for q_run, kv_run, reached in ((q_nan, kv, reached_q), (q, kv_nan, reached_kv)):
+        out, lse, probs = hs.sparse_attention(*on(kernel_backend, q_run, kv_run, indices), return_probs=True)
+        out_h, lse_h = to_host(out).astype(np.float64), to_host(lse)
+        assert np.isnan(out_h[reached]).all() and not np.isfinite(lse_h[reached]).any()
+        np.testing.assert_array_equal(_changed(out, clean[0], 2), reached)
+        np.testing.assert_array_equal(_changed(lse, clean[1], 2), reached)
+        untouched = ~reached.any(axis=1)
+        assert same_bits(to_host(probs)[untouched], to_host(clean[2])[untouched])
+    args = on(kernel_backend, q, kv, indices)
+    base = hs.sparse_attention_backward(*args, *clean[:2], *on(kernel_backend, dout))
+    dout_nan = dout.copy()
+    dout_nan[2, 5, 17] = np.nan
+    dq, dkv = hs.sparse_attention_backward(*args, *clean[:2], *on(kernel_backend, dout_nan))
+    assert np.isnan(to_host(dq)[2, 5].astype(np.float64)).all()
+    np.testing.assert_array_equal(_changed(dq, base[0], 2), reached_q)
+    keys_of_2 = np.zeros(kv.shape[0], bool)
+    keys_of_2[indices[2][indices[2] >= 0]] = True
+    assert np.isnan(to_host(dkv)[keys_of_2].astype(np.float64)).all()
+    np.testing.assert_array_equal(_changed(dkv, base[1], 1), keys_of_2)
