@@ -143,9 +143,7 @@ def _block_tiles(q_block: np.ndarray, k32: np.ndarray, w_block: np.ndarray, lo: 
     """Yield ``(s0, s1, scores float32 [T, s1-s0])`` for the key tiles a block sees.
 
     The yielded scores live in a buffer reused by the next tile: copy them or
-    use them before advancing. Reusing the logits buffer matters: a fresh
-    4 MiB array per tile is a fresh mmap whose page faults cost about as much
-    as the epilogue itself.
+    use them before advancing.
     """
     n_k, dim = k32.shape
     first, last = int(lo.min()), int(hi.max())
