@@ -25,10 +25,11 @@ Implementations differ only in where the selection comes from:
 Columns: median_ms, one step (forward, recompute, backward; the device
 synchronised around each selection, so selection_ms is that time);
 selection_share = selection_ms / median_ms; peak_extra_gib, the device
-memory the step took beyond its inputs and parameters (GPU: CuPy pool
-high-water plus torch's reserved peak; CPU: tracemalloc's peak of NumPy
-allocations, whose bookkeeping the CPU times include); speedup = baseline /
-this implementation at the same shape.
+memory the step took beyond its inputs and parameters (GPU with torch:
+CuPy allocates through torch's caching allocator, one pool for both, and
+this is its high-water mark of allocated bytes; CPU: tracemalloc's peak of
+NumPy allocations, whose bookkeeping the CPU times include); speedup =
+baseline / this implementation at the same shape.
 
 A time budget (``--budget-s``) skips a configuration whose time, predicted
 from the last one measured, would not fit; sizes whose float32 activations
@@ -45,6 +46,7 @@ CPU check (tiny shapes):
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import tracemalloc
@@ -77,10 +79,6 @@ def torch_materialised(torch, chunk: int) -> Callable[..., Any]:
             scores.masked_fill_(torch.arange(t1, device=tq.device)[None, :] > rows, float("-inf"))
             values, idx = torch.topk(scores, min(topk, t1))
             out[t0:t1, :idx.shape[1]] = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
-        # Every chunk's temporaries are larger than the last one's, so torch's
-        # caching allocator can reuse none of them and would keep them all,
-        # starving the CuPy-allocated rest of the layer: hand them back.
-        torch.cuda.empty_cache()
         return cp.from_dlpack(out)
 
     return select
@@ -112,11 +110,16 @@ class Device:
 
         self.gpu = gpu
         self.xp = cupy_module() if gpu else np
+        # Segments that grow in place: the baseline's score chunks differ in size
+        # from chunk to chunk, which fixed-size cached blocks would fragment.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         try:
             import torch
         except ImportError:
             torch = None
         self.torch = torch if gpu and torch is not None and torch.cuda.is_available() else None
+        if self.torch is not None:
+            share_torch_allocator(self.xp, self.torch)
         self.name = gpu_device() if gpu else cpu_device()
 
     def sync(self) -> None:
@@ -130,13 +133,18 @@ class Device:
         self.recover()
         return self.xp.cuda.runtime.memGetInfo()[0]
 
+    def _in_use(self) -> int:
+        """Bytes allocated now: torch's counter (it serves CuPy too), else CuPy's pool."""
+        if self.torch is not None:
+            return self.torch.cuda.memory_allocated()
+        return self.xp.get_default_memory_pool().used_bytes()
+
     def start_memory(self) -> None:
         if self.gpu:
-            self.xp.get_default_memory_pool().free_all_blocks()
+            self.recover()
             if self.torch is not None:
-                self.torch.cuda.empty_cache()
                 self.torch.cuda.reset_peak_memory_stats()
-            self._before = self.xp.get_default_memory_pool().total_bytes()
+            self._before = self._in_use()
         else:
             tracemalloc.start()
             tracemalloc.reset_peak()
@@ -151,12 +159,30 @@ class Device:
             tracemalloc.stop()
 
     def peak_memory(self) -> int:
+        """Peak bytes allocated since :meth:`start_memory`, beyond what was allocated then
+        (with torch: its allocator's high-water mark, CuPy's arrays included;
+        without: CuPy's pool size at the end, an upper bound)."""
         if not self.gpu:
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
             return peak
-        torch_peak = self.torch.cuda.max_memory_reserved() if self.torch is not None else 0
-        return self.xp.get_default_memory_pool().total_bytes() - self._before + torch_peak
+        if self.torch is not None:
+            return self.torch.cuda.max_memory_allocated() - self._before
+        return self.xp.get_default_memory_pool().total_bytes() - self._before
+
+
+def share_torch_allocator(cp, torch) -> None:
+    """Route CuPy's allocations through torch's caching allocator, so the layer
+    (CuPy) and the baseline's selection (torch) draw on one pool: two pools
+    each keep freed blocks the other cannot use, which made the baseline run
+    out of memory at sizes where the step fits. Blocks are tied to torch's
+    current stream, the legacy default stream CuPy also uses here."""
+
+    def malloc(nbytes: int):
+        block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(block.data_ptr(), nbytes, block), 0)
+
+    cp.cuda.set_allocator(malloc)
 
 
 def selections_per_step(impl: str) -> int:

@@ -36,7 +36,11 @@ using namespace hs;
 
 namespace {
 
-constexpr int THREADS = 512;  // the entry points' block size
+#ifndef HS_TOPK_THREADS
+#define HS_TOPK_THREADS 512
+#endif
+constexpr int THREADS = HS_TOPK_THREADS;  // the entry points' block size (256 or 512)
+constexpr int BLOCKS_PER_SM = 1024 / THREADS;  // 64 registers per thread at most
 constexpr int WARPS = THREADS / 32;
 constexpr int MAX_CHUNKS = 64;
 constexpr int MAX_SPANS = MAX_CHUNKS * WARPS;
@@ -322,7 +326,8 @@ __device__ void topk_row(const typename D::Bits* in, u32 rows, u32 n, u32 k, u32
     if (k_pad <= THREADS) sort_and_write<D, 1>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
     else if (k_pad <= 2 * THREADS) sort_and_write<D, 2>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
     else if (k_pad <= 4 * THREADS) sort_and_write<D, 4>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
-    else sort_and_write<D, 8>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
+    else if (k_pad <= 8 * THREADS) sort_and_write<D, 8>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
+    else sort_and_write<D, 16>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
 }
 
 }  // namespace
@@ -332,7 +337,7 @@ __device__ void topk_row(const typename D::Bits* in, u32 rows, u32 n, u32 k, u32
 // With chunks > 1: `ws` of rows * chunks * (cap * (sizeof(K) + 4) + 4 * META)
 // bytes, `done` rows zeroed words; else both unused.
 #define HS_TOPK_ENTRY(NAME, D)                                                                               \
-    extern "C" __global__ void __launch_bounds__(THREADS, 2)                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)                                                  \
     NAME(const D::Bits* in, u32 rows, u32 n, u32 k, u32 chunks, u32 cap, u32 sample_m, u32 sample_r,           \
          u32 k_pad, int by_key, unsigned char* ws, u32* done, i64* out_idx, D::Bits* out_val) {               \
         topk_row<D>(in, rows, n, k, chunks, cap, sample_m, sample_r, k_pad, by_key != 0, ws, done, out_idx,  \

@@ -20,9 +20,8 @@ from ...gpu.module import get_kernel, multiprocessor_count
 from . import gpu_sort
 from .keys import key_spec
 
-SORT_CAP = 4096  # cuda/topk.cu sorts up to 8 pairs per thread of 512
-THREADS = 512  # cuda/topk.cu: THREADS
-WARPS = THREADS // 32
+SORT_CAP = 4096  # cuda/topk.cu sorts up to 16 pairs per thread (8 at 512 threads)
+THREADS = 512  # default block size (cuda/topk.cu: HS_TOPK_THREADS, 256 or 512)
 MAX_CHUNKS = 64  # cuda/topk.cu: MAX_CHUNKS
 MIN_CHUNK = 16384  # elements per chunk, at least, when a row is cut into chunks
 SHORT_ROW = 8192  # rows up to this length keep every element (no sample)
@@ -41,6 +40,7 @@ class Plan:
     sample_m : sampled keys per row (0: no sample, the threshold keeps all).
     sample_r : rank of the threshold among the sampled keys.
     k_pad    : the sort's size, a power of two >= max(k, 128).
+    threads  : block size (the kernel is built for it).
     """
 
     chunks: int
@@ -48,6 +48,7 @@ class Plan:
     sample_m: int
     sample_r: int
     k_pad: int
+    threads: int = THREADS
 
 
 def sample_rank(m: int, k: int, n: int) -> int:
@@ -74,7 +75,10 @@ def plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
     return found
 
 
-def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
+def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int, *, threads: int = THREADS,
+          sample_m: int | None = None, chunks: int | None = None) -> Plan:
+    """The plan of :func:`plan`; ``threads``, ``sample_m`` (a power of two >= 4096)
+    and ``chunks`` override the defaults (benchmarks/topk_gpu_plans.py sweeps them)."""
     key_bytes = 8 if itemsize == 8 else 4
     entry = key_bytes + 4
     k_pad = max(128, 1 << (k - 1).bit_length())
@@ -83,26 +87,30 @@ def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
         m = r = 0
         cap = n
     else:
-        m = 1 << max(12, min((n // 64).bit_length() - 1, 14 if key_bytes == 4 else 13))
+        m = sample_m or 1 << max(12, min((n // 64).bit_length() - 1, 14 if key_bytes == 4 else 13))
         r = sample_rank(m, k, n)
         expected, spread = n * r / m, n * math.sqrt(r) / m
         cap = max(math.ceil(expected + 6.0 * spread) + 256, -(-m * key_bytes // entry))
     # The sort runs through two arrays of k_pad pairs.
     cap = min(-(-max(cap, 2 * k_pad) // 32) * 32, max_cap)
-    chunks = 1
-    if n_rows < sms:
-        chunks = max(1, min(MAX_CHUNKS, -(-2 * sms // n_rows), n // MIN_CHUNK))
-    return Plan(chunks, cap, m, r, k_pad)
+    if chunks is None:
+        chunks = 1
+        if n_rows < sms:
+            chunks = max(1, min(MAX_CHUNKS, -(-2 * sms // n_rows), n // MIN_CHUNK))
+    return Plan(chunks, cap, m, r, k_pad, threads)
 
 
 _TICKETS: dict = {}  # (device, stream) -> uint32 counters, zero between launches on that stream
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(dtype_name: str, largest: bool, device: int):
-    """The entry point of one dtype and direction, compiled for ``device``."""
+def _kernel(dtype_name: str, largest: bool, threads: int, device: int):
+    """The entry point of one dtype, direction and block size, compiled for ``device``."""
     name = f"topk_{dtype_name}_{'largest' if largest else 'smallest'}"
-    return get_kernel("topk", name, MAX_DYNAMIC_SMEM, (f"HS_TOPK_DTYPE={_DTYPE_CODES[dtype_name]}",))
+    defines = (f"HS_TOPK_DTYPE={_DTYPE_CODES[dtype_name]}",)
+    if threads != THREADS:
+        defines += (f"HS_TOPK_THREADS={threads}",)
+    return get_kernel("topk", name, MAX_DYNAMIC_SMEM, defines)
 
 
 def _tickets(cp, n_rows: int, device: int):
@@ -129,12 +137,12 @@ def _launch(cp, rows, k: int, largest: bool, by_key: bool, p: Plan, device: int)
         out_val.fill(0x5A)
     ws = done = np.uint64(0)
     if p.chunks > 1:
-        ws = cp.empty(n_rows * p.chunks * (p.cap * (key_bytes + 4) + 4 * (1 + WARPS)), dtype=cp.uint8)
+        ws = cp.empty(n_rows * p.chunks * (p.cap * (key_bytes + 4) + 4 * (1 + p.threads // 32)), dtype=cp.uint8)
         done = _tickets(cp, n_rows, device)
-    kernel = _kernel(rows.dtype.name, largest, device)
+    kernel = _kernel(rows.dtype.name, largest, p.threads, device)
     u32 = np.uint32
     kernel(
-        (n_rows * p.chunks,), (THREADS,),
+        (n_rows * p.chunks,), (p.threads,),
         (rows.view(spec.bits_dtype), u32(n_rows), u32(n), u32(k), u32(p.chunks), u32(p.cap), u32(p.sample_m),
          u32(p.sample_r), u32(p.k_pad), np.int32(by_key), ws, done, out_idx, out_val),
         shared_mem=p.cap * (key_bytes + 4),
