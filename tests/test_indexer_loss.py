@@ -165,6 +165,22 @@ def test_scores_at_are_the_indexer_scores_at_the_selection(backend):
     np.testing.assert_allclose(scores, to_host(picked), rtol=1e-5, atol=1e-5 * np.abs(expect[sel >= 0]).max())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_logits_add_nothing(backend):
+    """relu(NaN) = 0 on every backend and in the reference: a NaN in q[2, 5] or
+    in a selected key row leaves every score finite, equal to the reference."""
+    q, keys, w, indices = make_inputs(np.random.default_rng(35), 6, 16, 70, 200)
+    s = int(indices[0, np.flatnonzero(indices[0] >= 0)[0]])
+    q[2, 5, 9] = np.nan
+    keys[s, 4] = np.nan
+    scores = to_host(hs.indexer_scores_at(*on(backend, q, keys, w, indices)))
+    expect = reference.indexer_scores_at(q, keys, w, indices)
+    assert not np.isnan(scores).any() and not np.isnan(expect).any()
+    np.testing.assert_array_equal(np.isneginf(scores), indices < 0)
+    finite = np.isfinite(expect)
+    np.testing.assert_allclose(scores[finite], expect[finite], rtol=1e-4, atol=1e-4 * np.abs(expect[finite]).max())
+
+
 def _fd_case():
     rng = np.random.default_rng(3)
     q, keys, w, _ = make_inputs(rng, 4, 3, 4, 5, dim=6, dtype=np.float64)

@@ -6,6 +6,8 @@ For query t and selected slot i with key s = indices[t, i] >= 0:
     target[t]   = probs[t] / sum of probs[t] over the valid slots
     loss        = (1/N) sum_t KL(target[t] || softmax(I[t]))
 
+relu(NaN) = 0 on every backend, as in :func:`indexer_scores` (a NaN logit
+adds nothing to the score and passes no gradient).
 ``I`` is :func:`indexer_scores` restricted to the selected keys; ``probs``
 is the main attention's probability per slot summed over heads, as
 :func:`sparse_attention` returns with ``return_probs=True``. No gradient

@@ -57,7 +57,7 @@ def _scores_at(q, k, w, indices, scores):
             acc, comp = zero, zero
             for h in range(n_h):
                 x = dots[a, h]
-                acc, comp = _kahan(acc, comp, w[t, h] * (zero if x <= zero else x))
+                acc, comp = _kahan(acc, comp, w[t, h] * (x if x > zero else zero))  # relu(NaN) = 0
             scores[t, slots[a]] = acc
 
 

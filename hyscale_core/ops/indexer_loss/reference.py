@@ -2,6 +2,7 @@
 
     I[t, i]   = sum_h w[t, h] * relu(dot(q[t, h, :], k[s, :]))   s = indices[t, i] >= 0
               = -inf                                             at -1 slots
+                                                                 (relu(NaN) = 0, fmax)
     target[t] = probs[t] / sum of probs[t] over the valid slots
     loss      = mean over t of KL(target[t] || softmax(I[t]))     (0 for rows without target mass)
 """
@@ -23,7 +24,7 @@ def _gather(q, k, indices):
 def indexer_scores_at(q: np.ndarray, k: np.ndarray, w: np.ndarray, indices: np.ndarray) -> np.ndarray:
     """float64 [N, kk] indexer scores at the selected keys, -inf at -1 slots."""
     valid, _, logits = _gather(q, k, indices)
-    scores = np.einsum("th,thi->ti", np.asarray(w, dtype=np.float64), np.maximum(logits, 0.0))
+    scores = np.einsum("th,thi->ti", np.asarray(w, dtype=np.float64), np.fmax(logits, 0.0))
     return np.where(valid, scores, -np.inf)
 
 
@@ -34,7 +35,7 @@ def indexer_scores_at_backward(q: np.ndarray, k: np.ndarray, w: np.ndarray, indi
     valid, sel, logits = _gather(q, k, indices)
     g = np.where(valid, np.asarray(dscores, dtype=np.float64), 0.0)
     w64 = np.asarray(w, dtype=np.float64)
-    dw = np.einsum("ti,thi->th", g, np.maximum(logits, 0.0))
+    dw = np.einsum("ti,thi->th", g, np.fmax(logits, 0.0))
     coef = g[:, None, :] * w64[:, :, None] * (logits > 0)
     dq = np.einsum("thi,tid->thd", coef, sel)
     dsel = np.einsum("thi,thd->tid", coef, np.asarray(q, dtype=np.float64))
