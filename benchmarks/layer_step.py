@@ -10,7 +10,9 @@ projections (H_I = 64 as DeepSeek-V3.2 or 32 as GLM-5, d_I = 128; input
 detached) with its KL loss, and a SwiGLU MLP. Parameters and activations
 are float32 except the sparse attention's q, kv and out (bfloat16 by
 default: the GPU tensor-core kernels); the indexer kernels round q and k to
-bfloat16 as DSA's do.
+bfloat16 as DSA's do. float32 matrix products run on TF32 tensor cores by
+default (``--matmul tf32``, CuPy's CUPY_TF32=1), as a float32 training step
+on this hardware would; ``--matmul float32`` keeps them in full float32.
 Implementations differ only in where the selection comes from:
 
 * ``hyscale``: ``hs.indexer_topk`` (streaming, exact) in the forward; the
@@ -322,7 +324,7 @@ def measure(args, dev: Device, n: int, index_heads: int, clock: dict, last: dict
         last[impl] = (n, step_s, sel_s)
         config = {"n": n, "index_heads": index_heads, "index_dim": cfg.index_dim, "heads": cfg.heads,
                   "d_qk": cfg.d_qk, "d_v": cfg.d_v, "topk": cfg.topk, "d_model": cfg.d_model, "d_ff": cfg.d_ff,
-                  "attention_dtype": cfg.attention_dtype, "repeats": args.repeats}
+                  "attention_dtype": cfg.attention_dtype, "matmul": args.matmul, "repeats": args.repeats}
         label = baseline_label(dev) if impl == BASELINE else impl
         rows.append({"bench": "layer_step", "config": config, "impl": label, "kind": impl,
                      "median_ms": round(step_s * 1e3, 1), "selection_ms": round(sel_s * 1e3, 1),
@@ -401,6 +403,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--d-ff", type=int, default=4096)
     p.add_argument("--attention-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="q, kv, out of the sparse attention (bfloat16: the GPU kernels); the rest is float32")
+    p.add_argument("--matmul", choices=["tf32", "float32"], default="tf32",
+                   help="float32 matrix products on TF32 tensor cores (CUPY_TF32=1) or in full float32")
     p.add_argument("--impls", nargs="+", default=[BASELINE, HYSCALE], choices=[BASELINE, HYSCALE, NO_REPLAY])
     p.add_argument("--repeats", type=int, default=1, help="steps per implementation and shape (median)")
     p.add_argument("--chunk", type=int, default=128, help="query chunk of the materialised baseline")
@@ -423,11 +427,14 @@ def main(argv=None) -> None:
         payload = json.loads(args.plot.read_text())
         plot(payload["rows"], payload["device"], args.plot.with_suffix(".png"))
         return
+    # CuPy reads CUPY_TF32 at its first float32 matrix product, which comes later.
+    os.environ["CUPY_TF32"] = "1" if args.matmul == "tf32" else "0"
     dev = Device(gpu=args.device != "cpu" and cupy_module() is not None)
     if args.device == "gpu" and not dev.gpu:
         raise SystemExit("--device gpu: CuPy sees no CUDA device")
     clock, last, made, rows = {"start": time.perf_counter()}, {}, {}, []
-    print(f"{dev.name}; baseline: {baseline_label(dev)}; budget {args.budget_s:.0f} s", flush=True)
+    print(f"{dev.name}; baseline: {baseline_label(dev)}; matmul {args.matmul}; budget {args.budget_s:.0f} s",
+          flush=True)
     warm_up(args, dev, made, last)
     print(f"[{time.perf_counter() - clock['start']:6.0f} s] warmed up (N={min(args.warm_n, min(args.sizes))})",
           flush=True)

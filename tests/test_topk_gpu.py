@@ -63,6 +63,20 @@ def test_random_rows_match_cpu(dtype, rows, n, k):
     check_gpu_equals_cpu(a, k, largest=False, sort_output=False)
 
 
+@pytest.mark.parametrize("threads", [256, 512])
+@pytest.mark.parametrize("dtype", topk_dtype_params())
+@pytest.mark.parametrize("rows, n, k", [(3, 300_001, 2048), (1, 1 << 20, 4096), (200, 9001, 4096),
+                                        (64, 1000, 100), (11, 63, 20), (40, 40_000, 4000)])
+def test_both_block_sizes_match_cpu(monkeypatch, threads, dtype, rows, n, k):
+    """The plan picks 256- or 512-thread blocks by shape; either must give the same bits."""
+    from hyscale_core.ops.topk import gpu
+
+    monkeypatch.setattr(gpu, "plan", lambda *shape: gpu._plan(*shape, threads=threads))
+    a = adversarial("awkward", (rows, n), dtype, np.random.default_rng(rows + n + k))
+    check_gpu_equals_cpu(a, k)
+    check_gpu_equals_cpu(a, k, largest=False, sort_output=False)
+
+
 @pytest.mark.parametrize("kind", ["all_equal", "few_distinct", "few_distinct_odd", "ascending", "descending",
                                   "uniform"])
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16, np.int64], ids=["float32", "bfloat16", "int64"])

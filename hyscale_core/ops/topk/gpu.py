@@ -21,11 +21,15 @@ from . import gpu_sort
 from .keys import key_spec
 
 SORT_CAP = 4096  # cuda/topk.cu sorts up to 16 pairs per thread (8 at 512 threads)
-THREADS = 512  # default block size (cuda/topk.cu: HS_TOPK_THREADS, 256 or 512)
+THREADS = 512  # block size the kernel is built for unless told (cuda/topk.cu: HS_TOPK_THREADS)
 MAX_CHUNKS = 64  # cuda/topk.cu: MAX_CHUNKS
 MIN_CHUNK = 16384  # elements per chunk, at least, when a row is cut into chunks
 SHORT_ROW = 8192  # rows up to this length keep every element (no sample)
 MAX_DYNAMIC_SMEM = 200 << 10  # bytes of buffer per block, at most (227 KiB less the static part)
+MAX_SAMPLE = 8192  # sampled keys per row, at most (16384 measured slower: benchmarks/NOTES.md)
+# One block per row with a buffer up to this size: 256-thread blocks, three or
+# four per SM, overlap one another's per-row phases better than two of 512.
+SMALL_BUFFER = 64 << 10
 POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
 
 _DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4, "int64": 5}
@@ -75,10 +79,11 @@ def plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
     return found
 
 
-def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int, *, threads: int = THREADS,
+def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int, *, threads: int | None = None,
           sample_m: int | None = None, chunks: int | None = None) -> Plan:
-    """The plan of :func:`plan`; ``threads``, ``sample_m`` (a power of two >= 4096)
-    and ``chunks`` override the defaults (benchmarks/topk_gpu_plans.py sweeps them)."""
+    """The plan of :func:`plan`; ``threads`` (256 or 512), ``sample_m`` (a power of
+    two >= 4096) and ``chunks`` override the defaults (benchmarks/topk_gpu_plans.py
+    sweeps them)."""
     key_bytes = 8 if itemsize == 8 else 4
     entry = key_bytes + 4
     k_pad = max(128, 1 << (k - 1).bit_length())
@@ -87,7 +92,7 @@ def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int, *, threads: int 
         m = r = 0
         cap = n
     else:
-        m = sample_m or 1 << max(12, min((n // 64).bit_length() - 1, 14 if key_bytes == 4 else 13))
+        m = sample_m or max(4096, min(1 << ((n // 64).bit_length() - 1), MAX_SAMPLE))
         r = sample_rank(m, k, n)
         expected, spread = n * r / m, n * math.sqrt(r) / m
         cap = max(math.ceil(expected + 6.0 * spread) + 256, -(-m * key_bytes // entry))
@@ -97,6 +102,8 @@ def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int, *, threads: int 
         chunks = 1
         if n_rows < sms:
             chunks = max(1, min(MAX_CHUNKS, -(-2 * sms // n_rows), n // MIN_CHUNK))
+    if threads is None:
+        threads = 256 if chunks == 1 and cap * entry <= SMALL_BUFFER else THREADS
     return Plan(chunks, cap, m, r, k_pad, threads)
 
 
@@ -161,6 +168,6 @@ def topk_rows(rows, k: int, largest: bool, sort_output: bool):
         return rows.copy(), indices
     if k == n or k > SORT_CAP or n >= 1 << 31:
         return gpu_sort.topk_rows(cp, rows, k, largest, sort_output)
-    device = cp.cuda.Device().id
+    device = cp.cuda.runtime.getDevice()
     p = plan(n_rows, n, k, rows.dtype.itemsize, multiprocessor_count(device))
     return _launch(cp, rows, k, largest, sort_output, p, device)
