@@ -59,7 +59,7 @@ def topk(a: Any, k: int, axis: int = -1, *, largest: bool = True, sorted: bool =
     xp = xp_for(backend)
     moved = a if axis == a.ndim - 1 else xp.moveaxis(a, axis, -1)
     lead = moved.shape[:-1]
-    rows = xp.ascontiguousarray(moved)
+    rows = moved if moved.flags.c_contiguous else xp.ascontiguousarray(moved)
     if rows.ndim != 2:
         rows = rows.reshape(math.prod(lead), n)
     if backend == CPU:

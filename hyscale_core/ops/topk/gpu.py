@@ -30,6 +30,10 @@ MAX_SAMPLE = 8192  # sampled keys per row, at most (16384 measured slower: bench
 # One block per row with a buffer up to this size: 256-thread blocks, three or
 # four per SM, overlap one another's per-row phases better than two of 512.
 SMALL_BUFFER = 64 << 10
+# ...unless a warp's span (a row over 8 warps) would pass this many elements:
+# the ties path re-reads a span with one warp, and longer spans made
+# tie-heavy rows over 2x slower than random ones.
+MAX_SPAN = 16384
 POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
 
 _DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4, "int64": 5}
@@ -103,11 +107,15 @@ def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int, *, threads: int 
         if n_rows < sms:
             chunks = max(1, min(MAX_CHUNKS, -(-2 * sms // n_rows), n // MIN_CHUNK))
     if threads is None:
-        threads = 256 if chunks == 1 and cap * entry <= SMALL_BUFFER else THREADS
+        threads = 256 if chunks == 1 and cap * entry <= SMALL_BUFFER and n <= MAX_SPAN * 8 else THREADS
     return Plan(chunks, cap, m, r, k_pad, threads)
 
 
-_TICKETS: dict = {}  # (device, stream) -> uint32 counters, zero between launches on that stream
+# (device, stream) -> [tickets, workspace] of chunked launches on that stream.
+# Launches on one stream run in order, so they can share both: the kernel's
+# last block of a row resets its ticket (the counters stay zero between
+# launches), and the workspace only lives for one launch. Both only grow.
+_SCRATCH: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,16 +128,18 @@ def _kernel(dtype_name: str, largest: bool, threads: int, device: int):
     return get_kernel("topk", name, MAX_DYNAMIC_SMEM, defines)
 
 
-def _tickets(cp, n_rows: int, device: int):
-    """Per-row ticket counters for chunked rows: the kernel's last block of a
-    row resets its counter, so the array stays zero between launches on one
-    stream (launches on a stream run in order; each stream has its own)."""
+def _scratch(cp, n_rows: int, ws_bytes: int, device: int):
+    """(workspace of at least ``ws_bytes``, ``n_rows`` zeroed ticket counters) for a
+    chunked launch on the current stream of ``device``."""
     key = (device, cp.cuda.get_current_stream().ptr)
-    counters = _TICKETS.get(key)
-    if counters is None or counters.size < n_rows:
-        counters = cp.zeros(max(n_rows, 1024), dtype=cp.uint32)
-        _TICKETS[key] = counters
-    return counters
+    held = _SCRATCH.get(key)
+    if held is None:
+        held = _SCRATCH[key] = [cp.zeros(1024, dtype=cp.uint32), cp.empty(0, dtype=cp.uint8)]
+    if held[0].size < n_rows:
+        held[0] = cp.zeros(n_rows, dtype=cp.uint32)
+    if held[1].size < ws_bytes:
+        held[1] = cp.empty(ws_bytes, dtype=cp.uint8)
+    return held[1], held[0]
 
 
 def _launch(cp, rows, k: int, largest: bool, by_key: bool, p: Plan, device: int):
@@ -144,8 +154,8 @@ def _launch(cp, rows, k: int, largest: bool, by_key: bool, p: Plan, device: int)
         out_val.fill(0x5A)
     ws = done = np.uint64(0)
     if p.chunks > 1:
-        ws = cp.empty(n_rows * p.chunks * (p.cap * (key_bytes + 4) + 4 * (1 + p.threads // 32)), dtype=cp.uint8)
-        done = _tickets(cp, n_rows, device)
+        ws_bytes = n_rows * p.chunks * (p.cap * (key_bytes + 4) + 4 * (1 + p.threads // 32))
+        ws, done = _scratch(cp, n_rows, ws_bytes, device)
     kernel = _kernel(rows.dtype.name, largest, p.threads, device)
     u32 = np.uint32
     kernel(
