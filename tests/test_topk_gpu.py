@@ -140,6 +140,26 @@ def test_repeated_runs_are_bitwise_identical():
             assert same_bits(values, first_values) and same_bits(indices, first_indices)
 
 
+def test_chunked_rows_on_two_streams_at_once():
+    """Chunked launches share a workspace and tickets per stream; calls queued on
+    two streams, growing sizes on each, must not disturb one another."""
+    import cupy
+
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal((rows, n)).astype(np.float32) for rows, n in [(1, 300_000), (3, 1 << 20)]]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    results = []
+    for a in inputs:
+        for stream in streams:
+            with stream:
+                results.append((a, hs.topk(cupy.asarray(a), 2048)))
+    cupy.cuda.Device().synchronize()
+    for a, (values, indices) in results:
+        cpu_values, cpu_indices = hs.topk(a, 2048)
+        np.testing.assert_array_equal(indices.get(), cpu_indices)
+        assert same_bits(values, cpu_values)
+
+
 def test_bfloat16_through_dlpack_from_torch():
     torch = pytest.importorskip("torch")
     device_tensor = torch.randn(16, 5000, device="cuda").to(torch.bfloat16)
