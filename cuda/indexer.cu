@@ -5,10 +5,22 @@
 //
 // A CTA is one warpgroup. It owns a group of TQ = 256 / H queries at a time
 // (persistent grid, groups handed out longest first) and keeps their TQ * H
-// query rows in shared memory as the B operand of wgmma m64n256k16; key tiles
-// of 64 rows stream through a two-stage cp.async pipeline as the A operand.
-// The accumulator row is a key, the column a (query, head) pair, so the head
-// sum is a per-thread sum over its columns plus a two-step quad butterfly.
+// query rows in shared memory as the B operand of wgmma; key tiles of 64 rows
+// stream through a two-stage cp.async pipeline as the A operand. The
+// accumulator row is a key, the column a (query, head) pair, so the head sum
+// is a per-thread sum over its columns plus a two-step quad butterfly.
+//
+// Schedule: a tile's 256 columns are two m64n128k16 groups, the low half
+// (acc_lo) committed before the high half (acc_hi); the low half's head sums
+// run while the high half is in flight. With tile j's scores in registers,
+// tile j + 1's groups are issued and tile j + 2's load goes into tile j's
+// stage; only then does tile j's consume (selection or table write) run, so
+// it overlaps tile j + 1's products. Contracts: consume reads neither the key
+// stages nor the accumulators, and each lane gets the scores of the queries
+// it owns (every fourth); one barrier per tile, after every warp has waited
+// for tile j's groups, precedes the refill of tile j's stage and separates
+// consecutive consumes. Each (key, query) score is summed in the same order
+// as over a single N = 256 accumulator, whatever H.
 //
 // Selection (indexer_topk_*): a score enters the query's candidate buffer
 // only if its key beats the running threshold; when the buffer passes 2k
@@ -39,16 +51,25 @@ namespace {
 constexpr int H = HS_IDX_HEADS;
 constexpr int D = HS_IDX_DIM;
 constexpr bool F16 = HS_IDX_F16;   // float16 operands, else bfloat16
-constexpr int QROWS = 256;          // query-head rows per group: the wgmma N
+constexpr int QROWS = 256;          // query-head rows per group: the accumulator columns
 constexpr int TQ = QROWS / H;       // queries per group
 constexpr int KT = 64;              // keys per tile: the wgmma M
+// Two CTAs per SM at D = 128 need 2 x (dynamic + static ~9 KiB + 1 KiB
+// reserved) <= 228 KiB; a third 16 KiB key stage makes that ~248 KiB.
 constexpr int STAGES = 2;
+constexpr int HALF_N = QROWS / 2;        // columns per accumulator half: the wgmma N
+constexpr int HALF_BLOCKS = HALF_N / 8;  // 8-column blocks per half
+constexpr int QUERY_BLOCKS = H / 8;      // 8-column blocks per query
+constexpr int OWNED = (TQ + 3) / 4;      // queries per quad lane: lane quad owns 4 * m + quad
 constexpr int THREADS = 128;
 constexpr int Q_BYTES = QROWS * D * 2;
 constexpr int K_BYTES = KT * D * 2;
 constexpr int SORT_CAP = STAGES * K_BYTES / 8;  // (key, index) pairs the final sort holds
 static_assert(H >= 8 && QROWS % H == 0 && TQ <= 32, "heads must divide 256, at least 8");
 static_assert(D % 64 == 0 && D <= 256, "head dim must be a multiple of 64");
+static_assert(HALF_N * 128 % 1024 == 0, "a half must start on a swizzle-phase boundary");
+static_assert(HALF_BLOCKS % QUERY_BLOCKS == 0 || QUERY_BLOCKS % HALF_BLOCKS == 0,
+              "a half holds whole queries or a query spans whole halves");
 
 constexpr u32 NEG_INF_BITS = 0xFF800000u;
 constexpr u32 NEG_INF_KEY = 0x007FFFFFu;  // key of -inf: thresholds start here
@@ -67,15 +88,33 @@ struct GroupShared {
     u32 count[TQ], thr[TQ], flip[TQ];
 };
 
-__device__ __forceinline__ void mma_tile(float (&acc)[128], const unsigned char* k_tile, const unsigned char* q_tile) {
-    wgmma_fence_operands(acc);
+// Descriptor for k-step kk of query rows [HALF_N * half, HALF_N * (half + 1))
+// of the query tile (QROWS rows, region layout): the half starts HALF_N * 128
+// bytes into each region, a multiple of 1024, so the swizzle phase is that of
+// row 0.
+__device__ __forceinline__ u64 q_half_desc(const unsigned char* q_tile, int half, int kk) {
+    return wgmma_desc_k(q_tile + half * HALF_N * 128, kk, QROWS);
+}
+
+// Start key tile `k_tile` times the query tile as two committed wgmma groups:
+// columns [0, HALF_N) into acc_lo, then [HALF_N, QROWS) into acc_hi. The
+// first k-step overwrites, so the previous tile's values go. Both groups are
+// in flight on return; tile_scores waits for them.
+__device__ __forceinline__ void issue_tile(float (&acc_lo)[64], float (&acc_hi)[64], const unsigned char* k_tile,
+                                           const unsigned char* q_tile) {
+    wgmma_fence_operands(acc_lo);
+    wgmma_fence_operands(acc_hi);
     wgmma_fence();
     #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_m64n256k16<F16>(acc, wgmma_desc_k(k_tile, kk, KT), wgmma_desc_k(q_tile, kk, QROWS), kk > 0);
+        wgmma_m64n128k16<F16>(acc_lo, wgmma_desc_k(k_tile, kk, KT), q_half_desc(q_tile, 0, kk), kk > 0);
     wgmma_commit();
-    wgmma_wait_all();
-    wgmma_fence_operands(acc);
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_m64n128k16<F16>(acc_hi, wgmma_desc_k(k_tile, kk, KT), q_half_desc(q_tile, 1, kk), kk > 0);
+    wgmma_commit();
+    wgmma_fence_operands(acc_lo);
+    wgmma_fence_operands(acc_hi);
 }
 
 // Copy `rows` rows of D 16-bit elements (row r from src + r * D) into the
@@ -89,29 +128,74 @@ __device__ __forceinline__ void load_rows(unsigned char* dst, const u16* src, in
     }
 }
 
-// Head-weighted ReLU sums of the tile: scores[qi][rr] for key rows
-// row0 + 8 * rr, identical in the four lanes of a quad.
-__device__ __forceinline__ void head_sums(const float (&acc)[128], const float* w_s, float (&scores)[TQ][2]) {
+// Add half HALF of the tile's columns to the head-weighted ReLU sums
+// s[qi][rr] of key rows key_row(rr), 8-column blocks in ascending order (a
+// query spanning both halves carries its partial sums over), then finish the
+// queries that end in this half: quad butterfly and one NaN. Finished scores
+// are identical in the four lanes of a quad.
+template <int HALF>
+__device__ __forceinline__ void head_sums_half(const float (&acc)[64], const float* w_s, float (&s)[TQ][2]) {
     const int quad = threadIdx.x & 3;
     #pragma unroll
-    for (int qi = 0; qi < TQ; ++qi) {
-        float s0 = 0.f, s1 = 0.f;
-        #pragma unroll
-        for (int jj = 0; jj < H / 8; ++jj) {
-            const int j = qi * (H / 8) + jj;
-            const float2 wv = *reinterpret_cast<const float2*>(w_s + qi * H + 8 * jj + 2 * quad);
-            s0 = fmaf(wv.x, fmaxf(acc[4 * j + 0], 0.f), s0);
-            s0 = fmaf(wv.y, fmaxf(acc[4 * j + 1], 0.f), s0);
-            s1 = fmaf(wv.x, fmaxf(acc[4 * j + 2], 0.f), s1);
-            s1 = fmaf(wv.y, fmaxf(acc[4 * j + 3], 0.f), s1);
-        }
+    for (int jl = 0; jl < HALF_BLOCKS; ++jl) {
+        const int j = HALF * HALF_BLOCKS + jl;  // block of the whole row: query qi, its block jj
+        const int qi = j / QUERY_BLOCKS, jj = j % QUERY_BLOCKS;
+        const float2 wv = *reinterpret_cast<const float2*>(w_s + qi * H + 8 * jj + 2 * quad);
+        s[qi][0] = fmaf(wv.x, fmaxf(acc[4 * jl + 0], 0.f), s[qi][0]);
+        s[qi][0] = fmaf(wv.y, fmaxf(acc[4 * jl + 1], 0.f), s[qi][0]);
+        s[qi][1] = fmaf(wv.x, fmaxf(acc[4 * jl + 2], 0.f), s[qi][1]);
+        s[qi][1] = fmaf(wv.y, fmaxf(acc[4 * jl + 3], 0.f), s[qi][1]);
+    }
+    constexpr int DONE_BEFORE = HALF * HALF_BLOCKS / QUERY_BLOCKS;  // queries ending in halves < HALF
+    constexpr int DONE_AFTER = (HALF + 1) * HALF_BLOCKS / QUERY_BLOCKS;
+    #pragma unroll
+    for (int qi = DONE_BEFORE; qi < DONE_AFTER; ++qi) {
+        float s0 = s[qi][0], s1 = s[qi][1];
         s0 += __shfl_xor_sync(FULL_MASK, s0, 1);
         s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
         s0 += __shfl_xor_sync(FULL_MASK, s0, 2);
         s1 += __shfl_xor_sync(FULL_MASK, s1, 2);
-        scores[qi][0] = s0 != s0 ? __int_as_float(0x7FFFFFFF) : s0;  // one NaN
-        scores[qi][1] = s1 != s1 ? __int_as_float(0x7FFFFFFF) : s1;
+        s[qi][0] = s0 != s0 ? __int_as_float(0x7FFFFFFF) : s0;  // one NaN
+        s[qi][1] = s1 != s1 ? __int_as_float(0x7FFFFFFF) : s1;
     }
+}
+
+// owned[m][rr] = scores[4 * m + quad][rr] where that query exists: the lanes
+// of a quad hold the same scores, and each consumes only its own queries
+// (fewer registers live while the next tile's accumulators are in flight).
+__device__ __forceinline__ void keep_owned(const float (&scores)[TQ][2], float (&owned)[OWNED][2]) {
+    const int quad = threadIdx.x & 3;
+    #pragma unroll
+    for (int m = 0; m < OWNED; ++m)
+        #pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            float v = scores[4 * m][rr];
+            #pragma unroll
+            for (int c = 1; c < 4; ++c)
+                if (4 * m + c < TQ) v = quad == c ? scores[4 * m + c][rr] : v;
+            owned[m][rr] = v;
+        }
+}
+
+// Wait for the tile issue_tile started and leave this lane's scores in
+// owned (keep_owned): the low half's sums run while the high half is still in
+// flight. The accumulators are free on return.
+__device__ __forceinline__ void tile_scores(float (&acc_lo)[64], float (&acc_hi)[64], const float* w_s,
+                                            float (&owned)[OWNED][2]) {
+    float scores[TQ][2];
+    #pragma unroll
+    for (int qi = 0; qi < TQ; ++qi) scores[qi][0] = scores[qi][1] = 0.f;
+    wgmma_wait<1>();
+    wgmma_fence_operands(acc_lo);
+    head_sums_half<0>(acc_lo, w_s, scores);
+    #pragma unroll
+    for (int qi = 0; qi < TQ; ++qi)  // keep the low half's sums ahead of the next wait
+        asm volatile("" : "+f"(scores[qi][0]), "+f"(scores[qi][1])::"memory");
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc_lo);
+    wgmma_fence_operands(acc_hi);
+    head_sums_half<1>(acc_hi, w_s, scores);
+    keep_owned(scores, owned);
 }
 
 struct Buffers {
@@ -197,6 +281,13 @@ struct Problem {
     int n_q, n_k;
 };
 
+// Load key tile j of the stream starting at key `begin` into its stage and commit it as one group.
+__device__ __forceinline__ void load_key_tile(unsigned char* k_tiles, const Problem& p, int begin, int j) {
+    const int s0 = begin + j * KT;
+    load_rows(k_tiles + (j % STAGES) * K_BYTES, p.k + (size_t)s0 * D, KT, min(KT, p.n_k - s0));
+    cp_async_commit();
+}
+
 // Claim the next query group (longest first) and stage its queries, weights and ranges.
 __device__ bool next_group(GroupShared& sh, const Problem& p, int* work_counter, unsigned char* q_tile, float* w_s) {
     const int n_groups = (p.n_q + TQ - 1) / TQ;
@@ -220,7 +311,9 @@ __device__ bool next_group(GroupShared& sh, const Problem& p, int* work_counter,
     return true;
 }
 
-// Stream the key tiles of the current group; `consume(s0, scores)` sees each tile.
+// Stream the key tiles of the current group; `consume(s0, owned)` sees each
+// tile: owned[m][rr] is the score of query qi = 4 * m + (lane & 3), where
+// qi < TQ, and key s0 + key_row(rr). consume must not touch the key stages.
 template <typename Consume>
 __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q_tile, unsigned char* k_tiles,
                              const float* w_s, Consume&& consume) {
@@ -232,24 +325,35 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
         }
     const int begin = first >= last ? 0 : (first / KT) * KT;
     const int n_tiles = first >= last ? 0 : (last - begin + KT - 1) / KT;
-    if (n_tiles > 0) load_rows(k_tiles, p.k + (size_t)begin * D, KT, min(KT, p.n_k - begin));
-    cp_async_commit();
-    float acc[128];
+    for (int j = 0; j < min(n_tiles, STAGES); ++j)  // one committed group per tile, empty ones too
+        load_key_tile(k_tiles, p, begin, j);
+    for (int j = n_tiles; j < STAGES; ++j) cp_async_commit();
+    float acc_lo[64], acc_hi[64];
     #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    for (int j = 0; j < n_tiles; ++j) {
-        const int s0 = begin + j * KT;
-        if (j + 1 < n_tiles)
-            load_rows(k_tiles + ((j + 1) % STAGES) * K_BYTES, p.k + (size_t)(s0 + KT) * D, KT, min(KT, p.n_k - s0 - KT));
-        cp_async_commit();
-        cp_async_wait<1>();
+    for (int i = 0; i < 64; ++i) acc_lo[i] = acc_hi[i] = 0.f;
+    // Every issue_tile reaches tile_scores' waits on every path through the
+    // loop's back edge, with no exit in between: ptxas serialises every wgmma
+    // of the kernel (C7514, C7518) when it cannot see that.
+    if (n_tiles > 0) {
+        cp_async_wait<STAGES - 1>();  // the query tile and key tile 0
         fence_proxy_async();
         __syncthreads();
-        mma_tile(acc, k_tiles + (j % STAGES) * K_BYTES, q_tile);
-        float scores[TQ][2];
-        head_sums(acc, w_s, scores);
-        consume(s0, scores);
-        __syncthreads();
+        issue_tile(acc_lo, acc_hi, k_tiles, q_tile);
+        for (int j = 0;; ++j) {
+            float owned[OWNED][2];
+            tile_scores(acc_lo, acc_hi, w_s, owned);
+            cp_async_wait<STAGES - 2>();  // key tile j + 1, where there is one
+            fence_proxy_async();
+            __syncthreads();  // every warp is past tile j's groups and consume(j - 1)
+            if (j + 1 == n_tiles) {  // the last tile: nothing left to overlap
+                consume(begin + j * KT, owned);
+                break;
+            }
+            issue_tile(acc_lo, acc_hi, k_tiles + ((j + 1) % STAGES) * K_BYTES, q_tile);
+            if (j + STAGES < n_tiles) load_key_tile(k_tiles, p, begin, j + STAGES);  // into tile j's stage
+            else cp_async_commit();
+            consume(begin + j * KT, owned);  // overlaps tile j + 1's products
+        }
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -277,14 +381,15 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
     const u32 k = (u32)topk;
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
-        stream_group(sh, p, q_tile, k_tiles, w_s, [&](int s0, const float (&scores)[TQ][2]) {
+        stream_group(sh, p, q_tile, k_tiles, w_s, [&](int s0, const float (&owned)[OWNED][2]) {
             #pragma unroll
-            for (int qi = 0; qi < TQ; ++qi) {
-                if ((qi & 3) != (int)(threadIdx.x & 3)) continue;  // each quad lane owns every fourth query
+            for (int m = 0; m < OWNED; ++m) {
+                const int qi = 4 * m + (int)(threadIdx.x & 3);  // each quad lane owns every fourth query
+                if (qi >= TQ) continue;
                 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     const int s = s0 + key_row(rr);
-                    const u32 bits = __float_as_uint(scores[qi][rr]);
+                    const u32 bits = __float_as_uint(owned[m][rr]);
                     if (s >= sh.lo[qi] && s < sh.hi[qi] && score_key(bits) > sh.thr[qi]) {
                         const u32 slot = atomicAdd(&sh.count[qi], 1u);
                         buf.bits[buf.at(sh.flip[qi], qi) + slot] = bits;
@@ -310,16 +415,17 @@ __device__ void scores_cta(const Problem& p, int* work_counter, float* table) {
     float* w_s = reinterpret_cast<float*>(smem + Q_BYTES + STAGES * K_BYTES);
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
-        stream_group(sh, p, q_tile, k_tiles, w_s, [&](int s0, const float (&scores)[TQ][2]) {
+        stream_group(sh, p, q_tile, k_tiles, w_s, [&](int s0, const float (&owned)[OWNED][2]) {
             #pragma unroll
-            for (int qi = 0; qi < TQ; ++qi) {
-                if ((qi & 3) != (int)(threadIdx.x & 3)) continue;
+            for (int m = 0; m < OWNED; ++m) {
+                const int qi = 4 * m + (int)(threadIdx.x & 3);
+                if (qi >= TQ) continue;
                 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     const int s = s0 + key_row(rr);
                     if (t0 + qi < p.n_q && s < p.n_k) {
                         const bool visible = s >= sh.lo[qi] && s < sh.hi[qi];
-                        table[(size_t)(t0 + qi) * p.n_k + s] = visible ? scores[qi][rr] : __uint_as_float(NEG_INF_BITS);
+                        table[(size_t)(t0 + qi) * p.n_k + s] = visible ? owned[m][rr] : __uint_as_float(NEG_INF_BITS);
                     }
                 }
             }
