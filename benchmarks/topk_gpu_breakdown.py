@@ -1,47 +1,171 @@
-"""Where hs.topk's time goes on the GPU, for one configuration: the whole
-call, the launch alone (outputs and kernel, no argument checks or
-reshapes), and the host time to issue one call; with the launch plan
-(blocks per row, buffer entries, sample)."""
+"""Where hs.topk's time goes on the GPU, for one or more configurations.
+
+For each configuration, hs.topk and torch.topk side by side:
+
+- ``call``: what benchmarks/topk_gpu.py reports, CUDA events around one
+  call; on an idle GPU that includes the host time before the launch.
+- ``host``: host time to issue one call (calls issued back to back, no
+  synchronisation, averaged).
+- ``device``: device time of one call, from a CUDA graph of ``--graph``
+  calls replayed between events (no host work inside).
+
+and, for hs.topk, the launch plan. ``--profile`` prints the host profile of
+hs.topk's calls (cProfile, top entries by own time).
+"""
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
+import statistics
 import time
 
 from .common import copies_for, time_gpu
 
 
-def main(argv=None) -> None:
+def host_ms(fn, calls: int = 200) -> float:
+    """Host milliseconds per call of ``fn`` issued back to back."""
     import cupy as cp
 
+    cp.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    elapsed = (time.perf_counter() - start) / calls * 1e3
+    cp.cuda.Device().synchronize()
+    return elapsed
+
+
+def cupy_graph_ms(fn, calls: int, replays: int = 10) -> float:
+    """Device milliseconds per call of ``fn`` captured ``calls`` times in a CuPy graph."""
+    import cupy as cp
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for i in range(3):  # the pool and the per-stream scratch hold their blocks before capture
+            fn(i)
+        stream.synchronize()
+        stream.begin_capture()
+        for i in range(calls):
+            fn(i)
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    times = []
+    for _ in range(replays):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        graph.launch(stream)
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / calls)
+    return statistics.median(times)
+
+
+def torch_graph_ms(torch, fn, calls: int, replays: int = 10) -> float:
+    """Device milliseconds per call of ``fn`` captured ``calls`` times in a torch graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / calls)
+    return statistics.median(times)
+
+
+def make_inputs(cp, torch, rows: int, n: int, dtype: str, data: str):
+    """Rotated copies of one configuration: (cupy arrays, torch tensors)."""
+    itemsize = 4 if dtype == "float32" else 2
+    n_copies = copies_for(rows * n * itemsize)
+    xs = []
+    for seed in range(n_copies):
+        if data == "ascending":
+            x = cp.broadcast_to(cp.arange(n, dtype=cp.float32), (rows, n)).copy()
+        else:
+            x = cp.random.default_rng(seed).standard_normal((rows, n), dtype=cp.float32)
+        xs.append(x)
+    ts = [torch.from_dlpack(x) for x in xs]
+    if dtype == "bfloat16":
+        ts = [t.to(torch.bfloat16) for t in ts]
+        xs = [cp.from_dlpack(t) for t in ts]
+    return xs, ts
+
+
+def profile_host(fn, calls: int = 500, top: int = 15) -> str:
+    """cProfile of ``calls`` calls of ``fn``: the ``top`` entries by own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(calls):
+        fn(i)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def measure(cp, torch, rows: int, n: int, k: int, dtype: str, data: str, graph_calls: int, profile: bool) -> str:
     import hyscale_core as hs
     from hyscale_core.gpu.module import multiprocessor_count
     from hyscale_core.ops.topk import gpu
 
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=1024)
-    parser.add_argument("--n", type=int, default=131072)
-    parser.add_argument("--k", type=int, default=2048)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = parser.parse_args(argv)
-    itemsize = 4 if args.dtype == "float32" else 2
-    n_copies = copies_for(args.rows * args.n * itemsize)
-    xs = [cp.random.default_rng(s).standard_normal((args.rows, args.n), dtype=cp.float32) for s in range(n_copies)]
-    if args.dtype == "bfloat16":
-        import torch
+    xs, ts = make_inputs(cp, torch, rows, n, dtype, data)
+    count = len(xs)
 
-        xs = [cp.from_dlpack(torch.from_dlpack(x).to(torch.bfloat16)) for x in xs]
-    device = cp.cuda.Device().id
-    plan = gpu.plan(args.rows, args.n, args.k, itemsize, multiprocessor_count(device))
-    whole = time_gpu(lambda i: hs.topk(xs[i % n_copies], args.k))
-    kernel = time_gpu(lambda i: gpu._launch(cp, xs[i % n_copies], args.k, True, True, plan, device))
-    cp.cuda.Device().synchronize()
-    start = time.perf_counter()
-    for i in range(20):
-        hs.topk(xs[i % n_copies], args.k)
-    host_ms = (time.perf_counter() - start) / 20 * 1e3
-    cp.cuda.Device().synchronize()
-    print(f"[{args.rows}, {args.n}] {args.dtype} k={args.k}: {plan}; whole {whole:.3f} ms, "
-          f"launch alone {kernel:.3f} ms, host issue {host_ms:.3f} ms/call")
+    def hs_call(i):
+        return hs.topk(xs[i % count], k)
+
+    def torch_call(i):
+        return torch.topk(ts[i % count], k)
+
+    plan = gpu.plan(rows, n, k, xs[0].dtype.itemsize, multiprocessor_count(cp.cuda.Device().id))
+    figures = {}
+    for name, fn, graph in (("hs", hs_call, lambda f: cupy_graph_ms(f, graph_calls)),
+                            ("torch", torch_call, lambda f: torch_graph_ms(torch, f, graph_calls))):
+        figures[name] = (time_gpu(fn, repeats=20), host_ms(fn), graph(fn))
+    line = (f"[{rows}, {n}] {dtype} {data} k={k}: " +
+            "; ".join(f"{name} call {c:.4f} host {h:.4f} device {d:.4f} ms" for name, (c, h, d) in figures.items())
+            + f"; {plan}")
+    if profile:
+        line += "\n" + profile_host(hs_call)
+    return line
+
+
+def main(argv=None) -> None:
+    import cupy as cp
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1024])
+    parser.add_argument("--n", type=int, nargs="+", default=[131072], help="row lengths, one per --rows entry")
+    parser.add_argument("--k", type=int, nargs="+", default=[2048])
+    parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    parser.add_argument("--data", nargs="+", default=["random"], choices=["random", "ascending"])
+    parser.add_argument("--graph", type=int, default=20, help="calls per captured graph")
+    parser.add_argument("--profile", action="store_true", help="print hs.topk's host profile")
+    args = parser.parse_args(argv)
+    if len(args.rows) != len(args.n):
+        parser.error("give one --n per --rows")
+    for rows, n in zip(args.rows, args.n):
+        for dtype in args.dtype:
+            for data in args.data:
+                for k in args.k:
+                    print(measure(cp, torch, rows, n, k, dtype, data, args.graph, args.profile), flush=True)
+                cp.get_default_memory_pool().free_all_blocks()
 
 
 if __name__ == "__main__":
