@@ -67,16 +67,17 @@ def table_then_topk(hs, cp, q, k, w, topk, cu, chunk, use_torch, torch):
 
 
 def peak_extra(cp, fn):
-    """(ms of one run, bytes the CuPy pool grew by during it)."""
-    pool = cp.get_default_memory_pool()
-    before = pool.used_bytes()
-    pool.free_all_blocks()
+    """(ms of one run, peak bytes of the CuPy allocations made during it: the
+    output included, the inputs not)."""
+    from hyscale_core.gpu.memory import pool_peak
+
     cp.cuda.Device().synchronize()
-    start = time.perf_counter()
-    fn()
-    cp.cuda.Device().synchronize()
-    ms = (time.perf_counter() - start) * 1e3
-    return ms, pool.total_bytes() - before
+    with pool_peak() as memory:
+        start = time.perf_counter()
+        fn()
+        cp.cuda.Device().synchronize()
+        ms = (time.perf_counter() - start) * 1e3
+    return ms, memory.peak
 
 
 def run_config(args, cp, torch, hs, n, heads, lengths, rate):

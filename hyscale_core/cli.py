@@ -55,14 +55,16 @@ def _demo_inputs(xp, n: int, heads: int, dim: int, seed: int):
 def _timed(fn, on_gpu: bool):
     """(result, seconds, peak bytes beyond what was allocated before)."""
     if on_gpu:
+        from .gpu.memory import pool_peak
+
         cp = cupy_module()
-        pool = cp.get_default_memory_pool()
         cp.cuda.Device().synchronize()
-        before = pool.total_bytes()
-        start = time.perf_counter()
-        result = fn()
-        cp.cuda.Device().synchronize()
-        return result, time.perf_counter() - start, pool.total_bytes() - before
+        with pool_peak() as memory:
+            start = time.perf_counter()
+            result = fn()
+            cp.cuda.Device().synchronize()
+            seconds = time.perf_counter() - start
+        return result, seconds, memory.peak
     tracemalloc.start()
     start = time.perf_counter()
     result = fn()

@@ -142,29 +142,39 @@ def _scratch(cp, n_rows: int, ws_bytes: int, device: int):
     return held[1], held[0]
 
 
+@functools.lru_cache(maxsize=4096)
+def _launch_shape(n_rows: int, n: int, k: int, by_key: bool, key_bytes: int, p: Plan):
+    """(grid, block, shared bytes, the kernel's scalar arguments, workspace bytes)
+    of one launch, built once per shape: a call then only allocates and launches."""
+    u32 = np.uint32
+    scalars = (u32(n_rows), u32(n), u32(k), u32(p.chunks), u32(p.cap), u32(p.sample_m), u32(p.sample_r),
+               u32(p.k_pad), np.int32(by_key))
+    ws_bytes = n_rows * p.chunks * (p.cap * (key_bytes + 4) + 4 * (1 + p.threads // 32)) if p.chunks > 1 else 0
+    return (n_rows * p.chunks,), (p.threads,), p.cap * (key_bytes + 4), scalars, ws_bytes
+
+
+_NULL = np.uint64(0)
+
+
 def _launch(cp, rows, k: int, largest: bool, by_key: bool, p: Plan, device: int):
-    """Run the kernel on ``device`` (the current one): ``(values [R, k], indices int64 [R, k])``."""
+    """Run the kernel on ``device`` (the current one): ``(values [R, k], indices int64 [R, k])``.
+
+    The kernel reads and writes raw bits; arrays go in as pointers whatever
+    their dtype (bfloat16 included), so no views are made."""
     n_rows, n = rows.shape
-    spec = key_spec(rows.dtype)
-    key_bytes = 8 if spec.width == 64 else 4
+    itemsize = rows.dtype.itemsize
+    grid, block, smem, scalars, ws_bytes = _launch_shape(n_rows, n, k, by_key, 8 if itemsize == 8 else 4, p)
     out_idx = cp.empty((n_rows, k), dtype=cp.int64)
-    out_val = cp.empty((n_rows, k), dtype=spec.bits_dtype)
+    out_val = cp.empty((n_rows, k), dtype=rows.dtype)
     if POISON_OUTPUTS:
         out_idx.fill(-7)
-        out_val.fill(0x5A)
-    ws = done = np.uint64(0)
-    if p.chunks > 1:
-        ws_bytes = n_rows * p.chunks * (p.cap * (key_bytes + 4) + 4 * (1 + p.threads // 32))
+        out_val.view(key_spec(rows.dtype).bits_dtype).fill(0x5A)
+    ws = done = _NULL
+    if ws_bytes:
         ws, done = _scratch(cp, n_rows, ws_bytes, device)
-    kernel = _kernel(rows.dtype.name, largest, p.threads, device)
-    u32 = np.uint32
-    kernel(
-        (n_rows * p.chunks,), (p.threads,),
-        (rows.view(spec.bits_dtype), u32(n_rows), u32(n), u32(k), u32(p.chunks), u32(p.cap), u32(p.sample_m),
-         u32(p.sample_r), u32(p.k_pad), np.int32(by_key), ws, done, out_idx, out_val),
-        shared_mem=p.cap * (key_bytes + 4),
-    )
-    return out_val.view(rows.dtype), out_idx
+    _kernel(rows.dtype.name, largest, p.threads, device)(grid, block, (rows, *scalars, ws, done, out_idx, out_val),
+                                                          shared_mem=smem)
+    return out_val, out_idx
 
 
 def topk_rows(rows, k: int, largest: bool, sort_output: bool):
