@@ -31,12 +31,12 @@ SAMPLE_M = (4096, 8192, 16384)
 CHUNKS = (16, 32, 64)
 
 
-def variants(gpu, rows: int, n: int, k: int, itemsize: int, sms: int):
+def variants(gpu, rows: int, n: int, k: int, itemsize: int, sms: int, chunk_counts=CHUNKS):
     """(label, plan) of the default plan, then every swept neighbour."""
     default = gpu.plan(rows, n, k, itemsize, sms)
     yield "default", default
     ms = SAMPLE_M if default.sample_m else (0,)
-    chunks = CHUNKS if default.chunks > 1 else (1,)
+    chunks = chunk_counts if default.chunks > 1 else (1,)
     for threads, m, c in itertools.product(THREADS, ms, chunks):
         p = gpu._plan(rows, n, k, itemsize, sms, threads=threads, sample_m=m or None, chunks=c)
         if p != default:
@@ -54,14 +54,14 @@ def make_inputs(cp, rows: int, n: int, dtype: str):
     return xs
 
 
-def sweep(cp, gpu, device: int, sms: int, config, repeats: int) -> list[dict]:
+def sweep(cp, gpu, device: int, sms: int, config, repeats: int, chunk_counts=CHUNKS) -> list[dict]:
     """Rows of every plan variant at one configuration."""
     rows, n, k, dtype = config
     xs = make_inputs(cp, rows, n, dtype)
     itemsize = xs[0].dtype.itemsize
     expected = base_ms = None
     out = []
-    for label, p in variants(gpu, rows, n, k, itemsize, sms):
+    for label, p in variants(gpu, rows, n, k, itemsize, sms, chunk_counts):
         got = gpu._launch(cp, xs[0], k, True, True, p, device)[1]
         if expected is None:
             expected = got
@@ -77,7 +77,7 @@ def sweep(cp, gpu, device: int, sms: int, config, repeats: int) -> list[dict]:
     return out
 
 
-def run(configs, repeats: int) -> list[dict]:
+def run(configs, repeats: int, chunk_counts=CHUNKS) -> list[dict]:
     import cupy as cp
 
     from hyscale_core.gpu.module import multiprocessor_count
@@ -87,7 +87,7 @@ def run(configs, repeats: int) -> list[dict]:
     sms = multiprocessor_count(device)
     out = []
     for config in configs:
-        out += sweep(cp, gpu, device, sms, config, repeats)
+        out += sweep(cp, gpu, device, sms, config, repeats, chunk_counts)
         cp.get_default_memory_pool().free_all_blocks()
     return out
 
@@ -99,10 +99,12 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--chunks", type=int, nargs="+", default=list(CHUNKS),
+                        help="blocks per row to sweep where the default cuts rows into chunks")
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args(argv)
     configs = [(args.rows, args.n, args.k, args.dtype)] if args.rows else CONFIGS
-    rows = run(configs, args.repeats)
+    rows = run(configs, args.repeats, tuple(args.chunks))
     from pathlib import Path
 
     path = write_results("topk_gpu_plans", gpu_device(), rows, Path(args.out) if args.out else None)
