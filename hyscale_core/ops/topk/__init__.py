@@ -4,9 +4,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..._backend import CPU, as_arrays, xp_for
+from ..._backend import CPU, as_array, xp_for
 from ..._checks import check_axis, check_dtype, check_int
 from ..._dtypes import TOPK_DTYPES
+from . import gpu  # light; the CPU backend (Numba) is imported on first use
 
 
 def _check_flag(value: Any, name: str) -> bool:
@@ -45,8 +46,7 @@ def topk(a: Any, k: int, axis: int = -1, *, largest: bool = True, sorted: bool =
     index first. The result is exact and identical on every run; the CPU
     and GPU backends return bitwise-identical indices for the same input.
     """
-    backend, arrays = as_arrays(a=a)
-    a = arrays["a"]
+    backend, a = as_array(a, "a")
     check_dtype(a, TOPK_DTYPES, "a")
     if a.ndim == 0:
         raise ValueError("a must have at least one dimension, got a 0-d array")
@@ -67,8 +67,6 @@ def topk(a: Any, k: int, axis: int = -1, *, largest: bool = True, sorted: bool =
 
         values, indices = cpu.topk_rows(rows, k, largest, sort_output)
     else:
-        from . import gpu
-
         values, indices = gpu.topk_rows(rows, k, largest, sort_output)
     if values.shape[:-1] != lead:
         values, indices = values.reshape(lead + (k,)), indices.reshape(lead + (k,))
