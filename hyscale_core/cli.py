@@ -53,7 +53,7 @@ def _demo_inputs(xp, n: int, heads: int, dim: int, seed: int):
 
 
 def _timed(fn, on_gpu: bool):
-    """(result, seconds, peak bytes beyond what was allocated before)."""
+    """(result, seconds, peak bytes of the allocations made during the call)."""
     if on_gpu:
         from .gpu.memory import pool_peak
 
