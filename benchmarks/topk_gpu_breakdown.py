@@ -21,7 +21,8 @@ import pstats
 import statistics
 import time
 
-from .common import copies_for, time_gpu
+from .common import copies_for, gpu_device, time_gpu, write_results
+from .topk_gpu import DATA, make_rows
 
 
 def host_ms(fn, calls: int = 200) -> float:
@@ -88,24 +89,6 @@ def torch_graph_ms(torch, fn, calls: int, replays: int = 10) -> float:
     return statistics.median(times)
 
 
-def make_inputs(cp, torch, rows: int, n: int, dtype: str, data: str):
-    """Rotated copies of one configuration: (cupy arrays, torch tensors)."""
-    itemsize = 4 if dtype == "float32" else 2
-    n_copies = copies_for(rows * n * itemsize)
-    xs = []
-    for seed in range(n_copies):
-        if data == "ascending":
-            x = cp.broadcast_to(cp.arange(n, dtype=cp.float32), (rows, n)).copy()
-        else:
-            x = cp.random.default_rng(seed).standard_normal((rows, n), dtype=cp.float32)
-        xs.append(x)
-    ts = [torch.from_dlpack(x) for x in xs]
-    if dtype == "bfloat16":
-        ts = [t.to(torch.bfloat16) for t in ts]
-        xs = [cp.from_dlpack(t) for t in ts]
-    return xs, ts
-
-
 def profile_host(fn, calls: int = 500, top: int = 15) -> str:
     """cProfile of ``calls`` calls of ``fn``: the ``top`` entries by own time."""
     profiler = cProfile.Profile()
@@ -118,31 +101,36 @@ def profile_host(fn, calls: int = 500, top: int = 15) -> str:
     return text.getvalue()
 
 
-def measure(cp, torch, rows: int, n: int, k: int, dtype: str, data: str, graph_calls: int, profile: bool) -> str:
+def measure(cp, torch, rows: int, n: int, k: int, dtype: str, data: str, graph_calls: int, profile: bool) -> dict:
+    """One result row: call, host and device milliseconds of hs.topk and torch.topk."""
     import hyscale_core as hs
     from hyscale_core.gpu.module import multiprocessor_count
     from hyscale_core.ops.topk import gpu
 
-    xs, ts = make_inputs(cp, torch, rows, n, dtype, data)
-    count = len(xs)
+    itemsize = 4 if dtype == "float32" else 2
+    inputs = [make_rows(cp, torch, data, (rows, n), dtype, seed) for seed in range(copies_for(rows * n * itemsize))]
+    count = len(inputs)
 
     def hs_call(i):
-        return hs.topk(xs[i % count], k)
+        return hs.topk(inputs[i % count][0], k)
 
     def torch_call(i):
-        return torch.topk(ts[i % count], k)
+        return torch.topk(inputs[i % count][1], k)
 
-    plan = gpu.plan(rows, n, k, xs[0].dtype.itemsize, multiprocessor_count(cp.cuda.Device().id))
-    figures = {}
+    plan = gpu.plan(rows, n, k, itemsize, multiprocessor_count(cp.cuda.Device().id))
+    row = {"bench": "topk_gpu_breakdown", "config": {"rows": rows, "n": n, "k": k, "dtype": dtype, "data": data},
+           "plan": {"chunks": plan.chunks, "cap": plan.cap, "sample_m": plan.sample_m, "threads": plan.threads}}
     for name, fn, graph in (("hs", hs_call, lambda f: cupy_graph_ms(f, graph_calls)),
                             ("torch", torch_call, lambda f: torch_graph_ms(torch, f, graph_calls))):
-        figures[name] = (time_gpu(fn, repeats=20), host_ms(fn), graph(fn))
+        row[name] = {"call_ms": round(time_gpu(fn, repeats=20), 4), "host_ms": round(host_ms(fn), 4),
+                     "device_ms": round(graph(fn), 4)}
     line = (f"[{rows}, {n}] {dtype} {data} k={k}: " +
-            "; ".join(f"{name} call {c:.4f} host {h:.4f} device {d:.4f} ms" for name, (c, h, d) in figures.items())
-            + f"; {plan}")
+            "; ".join(f"{name} call {row[name]['call_ms']:.4f} host {row[name]['host_ms']:.4f} "
+                      f"device {row[name]['device_ms']:.4f} ms" for name in ("hs", "torch")) + f"; {plan}")
+    print(line, flush=True)
     if profile:
-        line += "\n" + profile_host(hs_call)
-    return line
+        print(profile_host(hs_call), flush=True)
+    return row
 
 
 def main(argv=None) -> None:
@@ -154,18 +142,23 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[131072], help="row lengths, one per --rows entry")
     parser.add_argument("--k", type=int, nargs="+", default=[2048])
     parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-    parser.add_argument("--data", nargs="+", default=["random"], choices=["random", "ascending"])
+    parser.add_argument("--data", nargs="+", default=["random"], choices=DATA)
     parser.add_argument("--graph", type=int, default=20, help="calls per captured graph")
     parser.add_argument("--profile", action="store_true", help="print hs.topk's host profile")
+    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args(argv)
     if len(args.rows) != len(args.n):
         parser.error("give one --n per --rows")
+    results = []
     for rows, n in zip(args.rows, args.n):
         for dtype in args.dtype:
             for data in args.data:
                 for k in args.k:
-                    print(measure(cp, torch, rows, n, k, dtype, data, args.graph, args.profile), flush=True)
+                    results.append(measure(cp, torch, rows, n, k, dtype, data, args.graph, args.profile))
                 cp.get_default_memory_pool().free_all_blocks()
+    from pathlib import Path
+
+    print(f"wrote {write_results('topk_gpu_breakdown', gpu_device(), results, Path(args.out) if args.out else None)}")
 
 
 if __name__ == "__main__":
