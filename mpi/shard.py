@@ -151,7 +151,8 @@ def abort_on_error(comm: Any = None) -> Iterator[None]:
         from mpi4py import MPI
 
         comm = comm or MPI.COMM_WORLD
-        print(f"[rank {comm.Get_rank()}] aborting the job:", file=sys.stderr)
-        traceback.print_exc()
+        # One write: mpiexec may stop forwarding this rank's output once
+        # Abort begins, so a header written apart could arrive alone.
+        sys.stderr.write(f"[rank {comm.Get_rank()}] aborting the job:\n{traceback.format_exc()}")
         sys.stderr.flush()
         comm.Abort(1)
