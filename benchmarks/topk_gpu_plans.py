@@ -7,7 +7,7 @@ are the fastest of their neighbours. Times are of the kernel launch alone
 (outputs allocated, no argument checks), so variants compare like for like.
 
     python -m benchmarks.topk_gpu_plans            # the default configurations
-    python -m benchmarks.topk_gpu_plans --rows 1 --n 1048576 --k 4096 --dtype bfloat16
+    python -m benchmarks.topk_gpu_plans --rows 1 --n 1048576 --k 4096 --dtype bfloat16 --data ascending
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import argparse
 import itertools
 
 from .common import copies_for, gpu_device, table, time_gpu, write_results
+from .topk_gpu import DATA
 
 CONFIGS = [
     (1024, 131072, 2048, "float32"),
@@ -43,36 +44,35 @@ def variants(gpu, rows: int, n: int, k: int, itemsize: int, sms: int, chunk_coun
             yield f"t{threads} m{p.sample_m} c{p.chunks}", p
 
 
-def make_inputs(cp, rows: int, n: int, dtype: str):
-    itemsize = 4 if dtype == "float32" else 2
-    copies = copies_for(rows * n * itemsize)
-    xs = [cp.random.default_rng(s).standard_normal((rows, n), dtype=cp.float32) for s in range(copies)]
-    if dtype == "bfloat16":
-        import torch
+def make_inputs(cp, rows: int, n: int, dtype: str, data: str):
+    import torch
 
-        xs = [cp.from_dlpack(torch.from_dlpack(x).to(torch.bfloat16)) for x in xs]
-    return xs
+    from .topk_gpu import make_rows
+
+    itemsize = 4 if dtype == "float32" else 2
+    return [make_rows(cp, torch, data, (rows, n), dtype, seed)[0] for seed in range(copies_for(rows * n * itemsize))]
 
 
 def sweep(cp, gpu, device: int, sms: int, config, repeats: int, chunk_counts=CHUNKS) -> list[dict]:
     """Rows of every plan variant at one configuration."""
-    rows, n, k, dtype = config
-    xs = make_inputs(cp, rows, n, dtype)
+    rows, n, k, dtype, data = config
+    xs = make_inputs(cp, rows, n, dtype, data)
     itemsize = xs[0].dtype.itemsize
     expected = base_ms = None
     out = []
     for label, p in variants(gpu, rows, n, k, itemsize, sms, chunk_counts):
-        got = gpu._launch(cp, xs[0], k, True, True, p, device)[1]
+        launch = gpu.prepare(rows, n, k, xs[0].dtype, True, True, p, device)
+        got = gpu.run(cp, xs[0], k, launch, device)[1]
         if expected is None:
             expected = got
         elif not bool((got == expected).all()):
-            raise AssertionError(f"[{rows}, {n}] k={k} {dtype} {label}: indices differ from the default plan's")
-        ms = time_gpu(lambda i: gpu._launch(cp, xs[i % len(xs)], k, True, True, p, device), repeats=repeats)
+            raise AssertionError(f"[{rows}, {n}] k={k} {dtype} {data} {label}: indices differ from the default plan's")
+        ms = time_gpu(lambda i: gpu.run(cp, xs[i % len(xs)], k, launch, device), repeats=repeats)
         base_ms = base_ms or ms
-        out.append({"bench": "topk_gpu_plans", "config": {"rows": rows, "n": n, "k": k, "dtype": dtype},
+        out.append({"bench": "topk_gpu_plans", "config": {"rows": rows, "n": n, "k": k, "dtype": dtype, "data": data},
                     "impl": label, "threads": p.threads, "sample_m": p.sample_m, "chunks": p.chunks,
                     "cap": p.cap, "median_ms": round(ms, 4), "vs_default": round(base_ms / ms, 3)})
-        print(f"[{rows}, {n}] k={k} {dtype:8s} {label:16s} cap {p.cap:6d} {ms:8.4f} ms "
+        print(f"[{rows}, {n}] k={k} {dtype:8s} {data:12s} {label:16s} cap {p.cap:6d} {ms:8.4f} ms "
               f"({base_ms / ms:.3f}x default)", flush=True)
     return out
 
@@ -98,12 +98,13 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int)
     parser.add_argument("--k", type=int)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--data", default="random", choices=DATA, help="input kind (benchmarks/topk_gpu.py)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--chunks", type=int, nargs="+", default=list(CHUNKS),
                         help="blocks per row to sweep where the default cuts rows into chunks")
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args(argv)
-    configs = [(args.rows, args.n, args.k, args.dtype)] if args.rows else CONFIGS
+    configs = [(args.rows, args.n, args.k, args.dtype, args.data)] if args.rows else [c + ("random",) for c in CONFIGS]
     rows = run(configs, args.repeats, tuple(args.chunks))
     from pathlib import Path
 

@@ -51,6 +51,39 @@ __device__ u32 block_exclusive_sum(u32 x, u32* scratch, u32* total) {
     return result;
 }
 
+// Block-wide minimum and maximum of x (every thread gets both). `scratch`
+// holds 2 * MAX_WARPS words; K is an unsigned integer type.
+template <typename K>
+__device__ void block_min_max(K x_min, K x_max, K* scratch, K* lo, K* hi) {
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        x_min = min(x_min, __shfl_xor_sync(FULL_MASK, x_min, d));
+        x_max = max(x_max, __shfl_xor_sync(FULL_MASK, x_max, d));
+    }
+    if (lane_id() == 0) {
+        scratch[warp_id()] = x_min;
+        scratch[MAX_WARPS + warp_id()] = x_max;
+    }
+    __syncthreads();
+    K a = scratch[0], b = scratch[MAX_WARPS];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) {
+        a = min(a, scratch[w]);
+        b = max(b, scratch[MAX_WARPS + w]);
+    }
+    *lo = a;
+    *hi = b;
+    __syncthreads();
+}
+
+// Bytes needed to hold x (0 for x == 0).
+template <typename K>
+__device__ __forceinline__ int bytes_of(K x) {
+    int bits = 0;
+    if constexpr (sizeof(K) == 8) bits = 64 - __clzll((long long)x);
+    else bits = 32 - __clz((int)x);
+    return (bits + 7) / 8;
+}
+
 // Add one count to hist[bin] for every lane with `valid`; a full warp whose
 // lanes all hit one bin adds once (sorted or constant data would otherwise
 // serialise 32 atomics on one address). All 32 lanes must call this.
@@ -178,9 +211,10 @@ __device__ void block_bitonic_sort(K* keys, u32* idx, int n) {
 
 // Stable sort, descending, of n (key, idx) pairs in shared memory (n a
 // power of two, 32 * E <= n <= E * blockDim.x), as one number made of the
-// low 8 * key_passes bits of the key over the low 8 * idx_passes bits of
-// ~idx: key descending then index ascending, or (key_passes = 0) index
-// ascending. LSD radix sort with 8-bit digits: each pass ranks every pair
+// low 8 * key_passes bits of key - key_base over the low 8 * idx_passes bits
+// of ~(idx - idx_base): key descending then index ascending, or
+// (key_passes = 0) index ascending. The caller picks bases and pass counts
+// that cover the pairs' spread. LSD radix sort with 8-bit digits: each pass ranks every pair
 // stably inside its warp (ballots on the digit's bits), scans the per-warp
 // digit counts (`counts`: blockDim.x / 32 * 256 u16 of shared memory) and
 // scatters from one pair of arrays (key, idx) to the other (key2, idx2).
@@ -188,7 +222,7 @@ __device__ void block_bitonic_sort(K* keys, u32* idx, int n) {
 // the result is in key2/idx2. All threads call this.
 template <int E, typename K>
 __device__ bool block_radix_sort_desc(K* key, u32* idx, K* key2, u32* idx2, int n, int idx_passes, int key_passes,
-                                      u16* counts, u32* scratch) {
+                                      K key_base, u32 idx_base, u16* counts, u32* scratch) {
     const int w = warp_id(), lane = lane_id();
     const int n_warps = blockDim.x >> 5;
     const bool active = w * 32 * E < n;  // whole warps
@@ -206,7 +240,8 @@ __device__ bool block_radix_sort_desc(K* key, u32* idx, K* key2, u32* idx2, int 
             #pragma unroll
             for (int e = 0; e < E; ++e) {
                 const int p = w * 32 * E + e * 32 + lane;
-                const u32 d = pass < idx_passes ? (~src_idx[p] >> shift) & 255u : (u32)(src_key[p] >> shift) & 255u;
+                const u32 d = pass < idx_passes ? (~(src_idx[p] - idx_base) >> shift) & 255u
+                                                : (u32)((src_key[p] - key_base) >> shift) & 255u;
                 u32 peers = FULL_MASK;
                 #pragma unroll
                 for (int b = 0; b < 8; ++b) {

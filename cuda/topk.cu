@@ -34,6 +34,18 @@
 
 using namespace hs;
 
+// The scalar arguments of an entry point, passed by value as one struct
+// (hyscale_core/ops/topk/gpu.py builds it: ARGS_DTYPE, same field order).
+struct TopkArgs {
+    u32 rows, n, k;  // rows of length n, k kept per row
+    u32 chunks;      // blocks per row
+    u32 cap;         // buffer entries per block
+    u32 sample_m;    // sampled keys per row (0: no sample, T keeps every key)
+    u32 sample_r;    // rank of T among them
+    u32 k_pad;       // the sort's size: a power of two >= max(k, 128)
+    u32 by_key;      // sort by key (else by index)
+};
+
 namespace {
 
 #ifndef HS_TOPK_THREADS
@@ -131,16 +143,33 @@ __device__ bool gather_chunks(u32 row_id, u32 chunk, u32 chunks, u32 cap, typena
     for (u32 s = threadIdx.x; s < chunks * WARPS; s += blockDim.x)
         sh.span_ties[s] = __ldcg(ws_meta + (first + s / WARPS) * META + 1 + s % WARPS);
     if (!overflow) {
-        for (u32 j = threadIdx.x; j < total; j += blockDim.x) {
-            u32 lo = 0, hi = chunks - 1;  // the chunk c with hist[c] <= j < hist[c + 1]
-            while (lo < hi) {
-                const u32 mid = (lo + hi + 1) / 2;
-                if (sh.hist[mid] <= j) lo = mid;
-                else hi = mid - 1;
+        // GATHER entries per thread per round, all loads issued before any
+        // store (3: the most that adds no register spills, ptxas -v).
+        constexpr u32 GATHER = 3;
+        for (u32 j0 = threadIdx.x; j0 < total; j0 += GATHER * blockDim.x) {
+            K k_of[GATHER];
+            u32 i_of[GATHER];
+            #pragma unroll
+            for (u32 g = 0; g < GATHER; ++g) {
+                const u32 j = min(j0 + g * blockDim.x, total - 1);  // past the end: a repeat load
+                u32 lo = 0, hi = chunks - 1;  // the chunk c with hist[c] <= j < hist[c + 1]
+                while (lo < hi) {
+                    const u32 mid = (lo + hi + 1) / 2;
+                    if (sh.hist[mid] <= j) lo = mid;
+                    else hi = mid - 1;
+                }
+                const size_t at = (first + lo) * cap + (j - sh.hist[lo]);
+                k_of[g] = __ldcg(ws_key + at);
+                i_of[g] = __ldcg(ws_idx + at);
             }
-            const size_t at = (first + lo) * cap + (j - sh.hist[lo]);
-            key[j] = __ldcg(ws_key + at);
-            idx[j] = __ldcg(ws_idx + at);
+            #pragma unroll
+            for (u32 g = 0; g < GATHER; ++g) {
+                const u32 j = j0 + g * blockDim.x;
+                if (j < total) {
+                    key[j] = k_of[g];
+                    idx[j] = i_of[g];
+                }
+            }
         }
     }
     if (threadIdx.x == 0) {
@@ -255,18 +284,33 @@ __device__ void take_ties(const typename D::Bits* row, const Layout& L, typename
 
 // Step 5: sort the k pairs in [0, k) (key descending then index ascending,
 // or index ascending), through [k_pad, 2 k_pad) of the buffer, and write them.
+// The sort covers only the bytes in which the k keys (indices) differ: it
+// runs on offsets from their minimum, and padding sorts last (lowest key,
+// offset index all ones).
 template <class D, int E>
-__device__ void sort_and_write(const typename D::Bits* row, u32 n, u32 k, u32 k_pad, bool by_key,
-                               typename D::K* key, u32* idx, RowShared& sh, i64* out_idx,
-                               typename D::Bits* out_val) {
-    for (u32 p = k + threadIdx.x; p < k_pad; p += blockDim.x) {  // padding sorts last
-        key[p] = 0;
-        idx[p] = NO_INDEX;
+__device__ void sort_and_write(const typename D::Bits* row, u32 k, u32 k_pad, bool by_key, typename D::K* key,
+                               u32* idx, RowShared& sh, i64* out_idx, typename D::Bits* out_val) {
+    typedef typename D::K K;
+    K key_lo = ~(K)0, key_hi = 0;
+    u32 idx_lo = NO_INDEX, idx_hi = 0;
+    for (u32 p = threadIdx.x; p < k; p += blockDim.x) {
+        key_lo = min(key_lo, key[p]);
+        key_hi = max(key_hi, key[p]);
+        idx_lo = min(idx_lo, idx[p]);
+        idx_hi = max(idx_hi, idx[p]);
+    }
+    K* wide = reinterpret_cast<K*>(sh.hist);  // 2 * MAX_WARPS keys: 512 bytes of hist, free here
+    block_min_max<K>(key_lo, key_hi, wide, &key_lo, &key_hi);
+    block_min_max<u32>(idx_lo, idx_hi, sh.hist, &idx_lo, &idx_hi);
+    for (u32 p = k + threadIdx.x; p < k_pad; p += blockDim.x) {
+        key[p] = key_lo;
+        idx[p] = idx_lo - 1u;
     }
     __syncthreads();
-    const int idx_bits = n > 1 ? 32 - __clz((int)(n - 1)) : 0;
-    if (block_radix_sort_desc<E>(key, idx, key + k_pad, idx + k_pad, (int)k_pad, (idx_bits + 7) / 8,
-                                 by_key ? (D::W + 7) / 8 : 0, reinterpret_cast<u16*>(sh.hist), sh.scratch)) {
+    const int idx_passes = bytes_of<u32>(idx_hi - idx_lo);
+    const int key_passes = by_key ? bytes_of<K>(key_hi - key_lo) : 0;
+    if (block_radix_sort_desc<E>(key, idx, key + k_pad, idx + k_pad, (int)k_pad, idx_passes, key_passes, key_lo,
+                                 idx_lo, reinterpret_cast<u16*>(sh.hist), sh.scratch)) {
         key += k_pad;
         idx += k_pad;
     }
@@ -279,10 +323,11 @@ __device__ void sort_and_write(const typename D::Bits* row, u32 n, u32 k, u32 k_
 }
 
 template <class D>
-__device__ void topk_row(const typename D::Bits* in, u32 rows, u32 n, u32 k, u32 chunks, u32 cap, u32 sample_m,
-                         u32 sample_r, u32 k_pad, bool by_key, unsigned char* ws, u32* done, i64* out_idx,
+__device__ void topk_row(const typename D::Bits* in, const TopkArgs& a, unsigned char* ws, u32* done, i64* out_idx,
                          typename D::Bits* out_val) {
     typedef typename D::K K;
+    const u32 rows = a.rows, n = a.n, k = a.k, chunks = a.chunks, cap = a.cap, k_pad = a.k_pad;
+    const bool by_key = a.by_key != 0;
     __shared__ RowShared sh;
     extern __shared__ __align__(16) unsigned char smem[];
     K* key = reinterpret_cast<K*>(smem);
@@ -292,7 +337,7 @@ __device__ void topk_row(const typename D::Bits* in, u32 rows, u32 n, u32 k, u32
     Layout L = make_layout<D>(row, n, chunks * WARPS);
 
     K T = 0;
-    if (sample_m) T = sample_threshold<D>(row, L, sample_m, sample_r, key, sh);
+    if (a.sample_m) T = sample_threshold<D>(row, L, a.sample_m, a.sample_r, key, sh);
     if (threadIdx.x == 0) sh.n_gt = 0;
     __syncthreads();
     run_pass<D>(row, L, chunk, make_pass<D>(T, key, idx, cap, &sh.n_gt), sh);
@@ -323,11 +368,11 @@ __device__ void topk_row(const typename D::Bits* in, u32 rows, u32 n, u32 k, u32
 
     out_idx += (size_t)row_id * k;
     out_val += (size_t)row_id * k;
-    if (k_pad <= THREADS) sort_and_write<D, 1>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
-    else if (k_pad <= 2 * THREADS) sort_and_write<D, 2>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
-    else if (k_pad <= 4 * THREADS) sort_and_write<D, 4>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
-    else if (k_pad <= 8 * THREADS) sort_and_write<D, 8>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
-    else sort_and_write<D, 16>(row, n, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
+    if (k_pad <= THREADS) sort_and_write<D, 1>(row, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
+    else if (k_pad <= 2 * THREADS) sort_and_write<D, 2>(row, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
+    else if (k_pad <= 4 * THREADS) sort_and_write<D, 4>(row, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
+    else if (k_pad <= 8 * THREADS) sort_and_write<D, 8>(row, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
+    else sort_and_write<D, 16>(row, k, k_pad, by_key, key, idx, sh, out_idx, out_val);
 }
 
 }  // namespace
@@ -337,11 +382,9 @@ __device__ void topk_row(const typename D::Bits* in, u32 rows, u32 n, u32 k, u32
 // With chunks > 1: `ws` of rows * chunks * (cap * (sizeof(K) + 4) + 4 * META)
 // bytes, `done` rows zeroed words; else both unused.
 #define HS_TOPK_ENTRY(NAME, D)                                                                               \
-    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)                                                  \
-    NAME(const D::Bits* in, u32 rows, u32 n, u32 k, u32 chunks, u32 cap, u32 sample_m, u32 sample_r,           \
-         u32 k_pad, int by_key, unsigned char* ws, u32* done, i64* out_idx, D::Bits* out_val) {               \
-        topk_row<D>(in, rows, n, k, chunks, cap, sample_m, sample_r, k_pad, by_key != 0, ws, done, out_idx,  \
-                    out_val);                                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)                                     \
+    NAME(const D::Bits* in, TopkArgs args, unsigned char* ws, u32* done, i64* out_idx, D::Bits* out_val) {   \
+        topk_row<D>(in, args, ws, done, out_idx, out_val);                                                   \
     }
 #define HS_TOPK_ENTRIES(NAME, D)                 \
     HS_TOPK_ENTRY(topk_##NAME##_largest, D<false>) \

@@ -72,6 +72,7 @@ def test_both_block_sizes_match_cpu(monkeypatch, threads, dtype, rows, n, k):
     from hyscale_core.ops.topk import gpu
 
     monkeypatch.setattr(gpu, "plan", lambda *shape: gpu._plan(*shape, threads=threads))
+    monkeypatch.setattr(gpu, "_LAUNCHES", {})
     a = adversarial("awkward", (rows, n), dtype, np.random.default_rng(rows + n + k))
     check_gpu_equals_cpu(a, k)
     check_gpu_equals_cpu(a, k, largest=False, sort_output=False)
@@ -96,6 +97,7 @@ def test_threshold_misses_fall_back_exactly(monkeypatch, rank, dtype, rows, n, k
     from hyscale_core.ops.topk import gpu
 
     monkeypatch.setattr(gpu, "sample_rank", (lambda m, k, n: 1) if rank == "too_high" else (lambda m, k, n: m))
+    monkeypatch.setattr(gpu, "_LAUNCHES", {})
     a = np.random.default_rng(n).standard_normal((rows, n)).astype(dtype)
     check_gpu_equals_cpu(a, k)
     check_gpu_equals_cpu(a, k, largest=False, sort_output=False)

@@ -48,6 +48,7 @@ class Plan:
     sample_m : sampled keys per row (0: no sample, the threshold keeps all).
     sample_r : rank of the threshold among the sampled keys.
     k_pad    : the sort's size, a power of two >= max(k, 128).
+    entry    : bytes of one buffer entry (key, then a 4-byte index).
     threads  : block size (the kernel is built for it).
     """
 
@@ -56,6 +57,7 @@ class Plan:
     sample_m: int
     sample_r: int
     k_pad: int
+    entry: int
     threads: int = THREADS
 
 
@@ -71,16 +73,9 @@ def sample_rank(m: int, k: int, n: int) -> int:
     return int(min(m, math.ceil(mean + 4.0 * math.sqrt(mean) + 3.0)))
 
 
-_PLANS: dict = {}
-
-
 def plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
-    """Launch parameters for ``k <= SORT_CAP`` of rows of length ``n`` (memoized)."""
-    key = (n_rows, n, k, itemsize, sms, sample_rank)
-    found = _PLANS.get(key)
-    if found is None:
-        found = _PLANS[key] = _plan(n_rows, n, k, itemsize, sms)
-    return found
+    """Launch parameters for ``k <= SORT_CAP`` of rows of length ``n``."""
+    return _plan(n_rows, n, k, itemsize, sms)
 
 
 def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int, *, threads: int | None = None,
@@ -103,12 +98,12 @@ def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int, *, threads: int 
     # The sort runs through two arrays of k_pad pairs.
     cap = min(-(-max(cap, 2 * k_pad) // 32) * 32, max_cap)
     if chunks is None:
-        chunks = 1
-        if n_rows < sms:
-            chunks = max(1, min(MAX_CHUNKS, -(-2 * sms // n_rows), n // MIN_CHUNK))
+        # At most one block per SM: a row's last block (its cut and sort, a
+        # serial phase) then has an SM to itself, and all run in one wave.
+        chunks = max(1, min(MAX_CHUNKS, sms // n_rows, n // MIN_CHUNK))
     if threads is None:
         threads = 256 if chunks == 1 and cap * entry <= SMALL_BUFFER and n <= MAX_SPAN * 8 else THREADS
-    return Plan(chunks, cap, m, r, k_pad, threads)
+    return Plan(chunks, cap, m, r, k_pad, entry, threads)
 
 
 # (device, stream) -> [tickets, workspace] of chunked launches on that stream.
@@ -142,38 +137,72 @@ def _scratch(cp, n_rows: int, ws_bytes: int, device: int):
     return held[1], held[0]
 
 
-@functools.lru_cache(maxsize=4096)
-def _launch_shape(n_rows: int, n: int, k: int, by_key: bool, key_bytes: int, p: Plan):
-    """(grid, block, shared bytes, the kernel's scalar arguments, workspace bytes)
-    of one launch, built once per shape: a call then only allocates and launches."""
-    u32 = np.uint32
-    scalars = (u32(n_rows), u32(n), u32(k), u32(p.chunks), u32(p.cap), u32(p.sample_m), u32(p.sample_r),
-               u32(p.k_pad), np.int32(by_key))
-    ws_bytes = n_rows * p.chunks * (p.cap * (key_bytes + 4) + 4 * (1 + p.threads // 32)) if p.chunks > 1 else 0
-    return (n_rows * p.chunks,), (p.threads,), p.cap * (key_bytes + 4), scalars, ws_bytes
+# The kernel's TopkArgs (cuda/topk.cu), field for field.
+ARGS_DTYPE = np.dtype([(name, np.uint32) for name in
+                       ("rows", "n", "k", "chunks", "cap", "sample_m", "sample_r", "k_pad", "by_key")])
+
+try:  # CuPy's by-value argument, built once per shape: launches then skip its conversion
+    from cupy.cuda.function import CNumpyArray as _by_value
+except ImportError:  # a size-1 NumPy array is passed by value too, converted at every launch
+    def _by_value(array):
+        return array
 
 
-_NULL = np.uint64(0)
+@dataclass(frozen=True, eq=False)
+class Launch:
+    """Everything of one call but its arrays, built once per shape (:func:`prepare`)."""
+
+    kernel: object
+    grid: tuple
+    block: tuple
+    smem: int  # dynamic shared memory, bytes
+    args: object  # one TopkArgs, passed by value
+    ws_bytes: int  # workspace of a chunked launch (0: none)
+    plan: Plan
 
 
-def _launch(cp, rows, k: int, largest: bool, by_key: bool, p: Plan, device: int):
-    """Run the kernel on ``device`` (the current one): ``(values [R, k], indices int64 [R, k])``.
+def prepare(n_rows: int, n: int, k: int, dtype, largest: bool, by_key: bool, p: Plan, device: int) -> Launch:
+    """The launch of ``p`` on rows ``[n_rows, n]`` of ``dtype``."""
+    fields = np.array([(n_rows, n, k, p.chunks, p.cap, p.sample_m, p.sample_r, p.k_pad, by_key)], dtype=ARGS_DTYPE)
+    # Plain bytes: CuPy reads a structured array's description at every launch.
+    args = _by_value(fields.view(np.dtype((np.void, ARGS_DTYPE.itemsize))))
+    ws_bytes = n_rows * p.chunks * (p.cap * p.entry + 4 * (1 + p.threads // 32)) if p.chunks > 1 else 0
+    return Launch(_kernel(np.dtype(dtype).name, largest, p.threads, device), (n_rows * p.chunks,), (p.threads,),
+                  p.cap * p.entry, args, ws_bytes, p)
+
+
+# (n_rows, n, k, dtype, largest, by_key, device) -> Launch of the default plan.
+# Tests that patch ``plan`` or ``sample_rank`` patch this to a fresh dict.
+_LAUNCHES: dict = {}
+
+
+def _default_launch(n_rows: int, n: int, k: int, dtype, largest: bool, by_key: bool, device: int) -> Launch:
+    key = (n_rows, n, k, dtype, largest, by_key, device)
+    found = _LAUNCHES.get(key)
+    if found is None:
+        p = plan(n_rows, n, k, dtype.itemsize, multiprocessor_count(device))
+        found = _LAUNCHES[key] = prepare(n_rows, n, k, dtype, largest, by_key, p, device)
+    return found
+
+
+_NULL = _by_value(np.zeros(1, dtype=np.uint64))  # a null pointer argument
+
+
+def run(cp, rows, k: int, launch: Launch, device: int):
+    """Run ``launch`` on ``rows`` on ``device`` (the current one): ``(values [R, k], indices int64 [R, k])``.
 
     The kernel reads and writes raw bits; arrays go in as pointers whatever
     their dtype (bfloat16 included), so no views are made."""
-    n_rows, n = rows.shape
-    itemsize = rows.dtype.itemsize
-    grid, block, smem, scalars, ws_bytes = _launch_shape(n_rows, n, k, by_key, 8 if itemsize == 8 else 4, p)
+    n_rows = rows.shape[0]
     out_idx = cp.empty((n_rows, k), dtype=cp.int64)
     out_val = cp.empty((n_rows, k), dtype=rows.dtype)
     if POISON_OUTPUTS:
         out_idx.fill(-7)
         out_val.view(key_spec(rows.dtype).bits_dtype).fill(0x5A)
     ws = done = _NULL
-    if ws_bytes:
-        ws, done = _scratch(cp, n_rows, ws_bytes, device)
-    _kernel(rows.dtype.name, largest, p.threads, device)(grid, block, (rows, *scalars, ws, done, out_idx, out_val),
-                                                          shared_mem=smem)
+    if launch.ws_bytes:
+        ws, done = _scratch(cp, n_rows, launch.ws_bytes, device)
+    launch.kernel(launch.grid, launch.block, (rows, launch.args, ws, done, out_idx, out_val), shared_mem=launch.smem)
     return out_val, out_idx
 
 
@@ -189,5 +218,4 @@ def topk_rows(rows, k: int, largest: bool, sort_output: bool):
     if k == n or k > SORT_CAP or n >= 1 << 31:
         return gpu_sort.topk_rows(cp, rows, k, largest, sort_output)
     device = cp.cuda.runtime.getDevice()
-    p = plan(n_rows, n, k, rows.dtype.itemsize, multiprocessor_count(device))
-    return _launch(cp, rows, k, largest, sort_output, p, device)
+    return run(cp, rows, k, _default_launch(n_rows, n, k, rows.dtype, largest, sort_output, device), device)
