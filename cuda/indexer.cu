@@ -205,6 +205,10 @@ struct Buffers {
     __device__ __forceinline__ size_t at(int flip, int qi) const { return ((size_t)flip * TQ + qi) * cap; }
 };
 
+// Candidates a thread reads per round in prune: the buffers live in global
+// memory, so each round keeps PRUNE_U loads in flight.
+constexpr int PRUNE_U = 4;
+
 // Cut query qi's candidates back to its top k (score key, then lower index).
 __device__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k) {
     const u32 n = sh.count[qi];
@@ -212,31 +216,37 @@ __device__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k) {
     const u32* idx = buf.idx + buf.at(sh.flip[qi], qi);
     u32* dst_bits = buf.bits + buf.at(sh.flip[qi] ^ 1, qi);
     u32* dst_idx = buf.idx + buf.at(sh.flip[qi] ^ 1, qi);
-    u32 above;
-    const u32 thr = block_kth_largest([&](u32 i) { return score_key(bits[i]); }, [](u32) { return true; }, n, k,
-                                      sh.hist, sh.scratch, sh.found, &above);
+    u32 above, ties_total;
+    const u32 thr = block_kth_largest<u32, 32, PRUNE_U>([&](u32 i) { return score_key(bits[i]); },
+                                                        [](u32) { return true; }, n, k, sh.hist, sh.scratch,
+                                                        sh.found, &above, &ties_total);
     const u32 need = k - above;
-    u32 ties_total;
-    u32 tie = 0;
-    for (u32 i = threadIdx.x; i < n; i += THREADS) tie += score_key(bits[i]) == thr;
-    block_exclusive_sum(tie, sh.scratch, &ties_total);
     u32 max_tie_idx = 0xFFFFFFFFu;
     if (ties_total > need) {  // keep the `need` lowest indices among the ties
         u32 unused;
-        max_tie_idx = ~block_kth_largest([&](u32 i) { return ~idx[i]; },
-                                         [&](u32 i) { return score_key(bits[i]) == thr; }, n, need, sh.hist,
-                                         sh.scratch, sh.found, &unused);
+        max_tie_idx = ~block_kth_largest<u32, 32, PRUNE_U>([&](u32 i) { return ~idx[i]; },
+                                                           [&](u32 i) { return score_key(bits[i]) == thr; }, n,
+                                                           need, sh.hist, sh.scratch, sh.found, &unused);
     }
     if (threadIdx.x == 0) sh.next_slot = 0;
     __syncthreads();
-    for (u32 base = 0; base < n; base += THREADS) {
-        const u32 i = base + threadIdx.x;
-        const u32 key = i < n ? score_key(bits[i]) : 0u;
-        const bool keep = i < n && (key > thr || (key == thr && idx[i] <= max_tie_idx));
-        const u32 slot = warp_append(&sh.next_slot, keep);
-        if (keep) {
-            dst_bits[slot] = bits[i];
-            dst_idx[slot] = idx[i];
+    for (u32 base = 0; base < n; base += PRUNE_U * THREADS) {
+        u32 b[PRUNE_U], x[PRUNE_U];
+        #pragma unroll
+        for (int u = 0; u < PRUNE_U; ++u) {
+            const u32 i = min(base + u * THREADS + threadIdx.x, n - 1);  // past the end: a repeat load
+            b[u] = bits[i];
+            x[u] = idx[i];
+        }
+        #pragma unroll
+        for (int u = 0; u < PRUNE_U; ++u) {
+            const u32 key = score_key(b[u]);
+            const bool keep = base + u * THREADS + threadIdx.x < n && (key > thr || (key == thr && x[u] <= max_tie_idx));
+            const u32 slot = warp_append(&sh.next_slot, keep);
+            if (keep) {
+                dst_bits[slot] = b[u];
+                dst_idx[slot] = x[u];
+            }
         }
     }
     __syncthreads();
@@ -382,18 +392,24 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
         stream_group(sh, p, q_tile, k_tiles, w_s, [&](int s0, const float (&owned)[OWNED][2]) {
+            const int quad = (int)(threadIdx.x & 3);  // each quad lane owns every fourth query
             #pragma unroll
             for (int m = 0; m < OWNED; ++m) {
-                const int qi = 4 * m + (int)(threadIdx.x & 3);  // each quad lane owns every fourth query
-                if (qi >= TQ) continue;
+                const int qi = min(4 * m + quad, TQ - 1);
                 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     const int s = s0 + key_row(rr);
                     const u32 bits = __float_as_uint(owned[m][rr]);
-                    if (s >= sh.lo[qi] && s < sh.hi[qi] && score_key(bits) > sh.thr[qi]) {
-                        const u32 slot = atomicAdd(&sh.count[qi], 1u);
-                        buf.bits[buf.at(sh.flip[qi], qi) + slot] = bits;
-                        buf.idx[buf.at(sh.flip[qi], qi) + slot] = (u32)s;
+                    const bool take = 4 * m + quad < TQ && s >= sh.lo[qi] && s < sh.hi[qi] &&
+                                      score_key(bits) > sh.thr[qi];
+                    #pragma unroll
+                    for (int c = 0; c < 4 && 4 * m + c < TQ; ++c) {  // one append per warp and query
+                        const bool mine = take && quad == c;
+                        const u32 slot = warp_append(&sh.count[4 * m + c], mine);
+                        if (mine) {
+                            buf.bits[buf.at(sh.flip[qi], qi) + slot] = bits;
+                            buf.idx[buf.at(sh.flip[qi], qi) + slot] = (u32)s;
+                        }
                     }
                 }
             }

@@ -147,9 +147,11 @@ __device__ int block_find_bucket(const u32* hist, int n_bins, u32 rank, u32* scr
 // The rank-th largest (rank from 1) of the WIDTH-bit keys key_of(i) (type K)
 // over the i < n with member(i); `*above` gets how many such keys exceed it
 // and `*equal` (when given) how many equal it. An MSB-first radix select with
-// DIGIT_BITS-bit digits, one pass per digit. `hist` holds MAX_BINS words,
+// DIGIT_BITS-bit digits, one pass per digit; each thread reads U elements
+// per round, all before it counts any (U > 1 keeps several slow loads, of
+// keys in global memory, in flight). `hist` holds MAX_BINS words,
 // `scratch` MAX_WARPS + 1, `found` 2.
-template <typename K = u32, int WIDTH = 32, typename KeyFn, typename MemberFn>
+template <typename K = u32, int WIDTH = 32, int U = 1, typename KeyFn, typename MemberFn>
 __device__ K block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank, u32* hist, u32* scratch,
                                u32* found, u32* above, u32* equal = nullptr) {
     static_assert(WIDTH <= 8 * (int)sizeof(K), "keys wider than their type");
@@ -162,12 +164,19 @@ __device__ K block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank, u
         const int shift = WIDTH - resolved - digit;
         for (int i = threadIdx.x; i < (1 << digit); i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        for (u32 base = 0; base < n; base += blockDim.x) {
-            const u32 i = base + threadIdx.x;
-            const bool valid = i < n && member(i);
-            const K key = valid ? key_of(i) : (K)0;
-            const bool in_prefix = valid && (resolved == 0 || (key >> (WIDTH - resolved)) == prefix);
-            warp_histogram_add(hist, (u32)(key >> shift) & ((1u << digit) - 1), in_prefix);
+        for (u32 base = 0; base < n; base += U * blockDim.x) {
+            K key[U];
+            bool in_prefix[U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 i = base + u * blockDim.x + threadIdx.x;
+                const bool valid = i < n && member(i);
+                key[u] = valid ? key_of(i) : (K)0;
+                in_prefix[u] = valid && (resolved == 0 || (key[u] >> (WIDTH - resolved)) == prefix);
+            }
+            #pragma unroll
+            for (int u = 0; u < U; ++u)
+                warp_histogram_add(hist, (u32)(key[u] >> shift) & ((1u << digit) - 1), in_prefix[u]);
         }
         __syncthreads();
         u32 above_here;
