@@ -161,10 +161,16 @@ class Launch:
     plan: Plan
 
 
+def args_fields(n_rows: int, n: int, k: int, by_key: bool, p: Plan) -> np.ndarray:
+    """The kernel's TopkArgs as a size-1 structured array (ARGS_DTYPE)."""
+    return np.array([(n_rows, n, k, p.chunks, p.cap, p.sample_m, p.sample_r, p.k_pad, by_key)], dtype=ARGS_DTYPE)
+
+
 def prepare(n_rows: int, n: int, k: int, dtype, largest: bool, by_key: bool, p: Plan, device: int) -> Launch:
     """The launch of ``p`` on rows ``[n_rows, n]`` of ``dtype``."""
-    fields = np.array([(n_rows, n, k, p.chunks, p.cap, p.sample_m, p.sample_r, p.k_pad, by_key)], dtype=ARGS_DTYPE)
-    # Plain bytes: CuPy reads a structured array's description at every launch.
+    fields = args_fields(n_rows, n, k, by_key, p)
+    # Plain bytes: CuPy reads a structured array's description at every
+    # launch (benchmarks/gpu_launch_args.py).
     args = _by_value(fields.view(np.dtype((np.void, ARGS_DTYPE.itemsize))))
     ws_bytes = n_rows * p.chunks * (p.cap * p.entry + 4 * (1 + p.threads // 32)) if p.chunks > 1 else 0
     return Launch(_kernel(np.dtype(dtype).name, largest, p.threads, device), (n_rows * p.chunks,), (p.threads,),
