@@ -47,6 +47,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--ks", type=int, nargs="+", default=[256, 2048, 4096])
     parser.add_argument("--chunk", type=int, default=16384, help="query chunk of the score-only run")
+    parser.add_argument("--buffer-ks", type=int, nargs="+", default=None,
+                        help="candidate buffer sizes to sweep, in multiples of k (default: the library's)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -57,7 +59,21 @@ def main(argv=None) -> None:
     floor_ms = flops / (rate * 1e12) * 1e3
     hs.indexer_topk(q[:256], k[:256], w[:256], 64, q_pos=np.arange(256))  # compile
     hs.indexer_scores(q[:256], k[:256], w[:256], q_pos=np.arange(256))
-    runs = {f"hs.indexer_topk k={kk}": (lambda kk=kk: hs.indexer_topk(q, k, w, kk)) for kk in args.ks}
+    from hyscale_core.ops.indexer import gpu as indexer_gpu
+
+    def with_buffer(kk: int, ks: int):
+        def run():
+            default, indexer_gpu.BUFFER_KS = indexer_gpu.BUFFER_KS, ks
+            try:
+                return hs.indexer_topk(q, k, w, kk)
+            finally:
+                indexer_gpu.BUFFER_KS = default
+        return run
+
+    runs = {}
+    for kk in args.ks:
+        for ks in args.buffer_ks or [indexer_gpu.BUFFER_KS]:
+            runs[f"hs.indexer_topk k={kk} buffer {ks}k"] = with_buffer(kk, ks)
     runs["hs.indexer_scores alone (chunked, table discarded)"] = lambda: scores_only(hs, q, k, w, args.chunk)
     rows = []
     config = {"n": args.n, "heads": args.heads, "dim": args.dim, "mask": "causal"}

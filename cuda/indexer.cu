@@ -23,9 +23,9 @@
 // as over a single N = 256 accumulator, whatever H.
 //
 // Selection (indexer_topk_*): a score enters the query's candidate buffer
-// only if its key beats the running threshold; when the buffer passes 2k
-// entries it is cut back to the top k (by key, then lower index) and the
-// threshold rises to the k-th key. Tiles go in ascending key order, so a
+// only if its key beats the running threshold; when the buffer could not
+// take another tile (more than cap - KT entries) it is cut back to the top k
+// (by key, then lower index) and the threshold rises to the k-th key. Tiles go in ascending key order, so a
 // later key equal to the threshold ranks below every kept one: the strict
 // test is exact. The end of the stream cuts to k and sorts.
 // Scores (indexer_scores_*) run the same tile code and write the table, so
@@ -415,7 +415,7 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
             }
             __syncthreads();
             for (int qi = 0; qi < TQ; ++qi)
-                if (sh.count[qi] > 2 * k) prune(sh, buf, qi, k);
+                if (sh.count[qi] + KT > (u32)buf.cap) prune(sh, buf, qi, k);
         });
         for (int qi = 0; qi < TQ && t0 + qi < p.n_q; ++qi)
             write_selection(sh, buf, qi, k, k_tiles, out_idx + (size_t)(t0 + qi) * topk,

@@ -83,7 +83,12 @@ def test_query_shards_and_rising_scores():
         np.testing.assert_array_equal(to_host(shard), full[start:stop])
 
 
-def test_long_sequence_with_many_prunes():
+@pytest.mark.parametrize("buffer_ks", [2, 3])
+def test_long_sequence_with_many_prunes(monkeypatch, buffer_ks):
+    """The buffer size only decides when prunes happen, never what is selected."""
+    from hyscale_core.ops.indexer import gpu
+
+    monkeypatch.setattr(gpu, "BUFFER_KS", buffer_ks)
     (q, k, w), _ = device_inputs(8192, 8192, 64, 128, seed=3)
     np.testing.assert_array_equal(to_host(hs.indexer_topk(q, k, w, 2048)),
                                   materialised(hs.indexer_scores(q, k, w), 2048))

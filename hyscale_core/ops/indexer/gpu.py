@@ -21,6 +21,10 @@ from . import gpu_fallback
 
 QROWS, KT, STAGES = 256, 64, 2  # cuda/indexer.cu
 CTAS_PER_SM = 2
+# Candidates a query's buffer holds before it is cut back to topk, in
+# multiples of topk (benchmarks/indexer_gpu_breakdown.py --buffer-ks sweeps
+# it): a larger buffer prunes less often, each prune reads more.
+BUFFER_KS = 2
 POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
 
 
@@ -85,7 +89,7 @@ def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool):
         return indices, scores
     q16, k16, w32, lo32, hi32 = _operands(cp, q, k, w, lo, hi, in_dtype)
     grid = _grid(cp)
-    cap = 2 * topk + KT
+    cap = BUFFER_KS * topk + KT  # room for one more tile of appends after each prune check
     buf_bits = cp.empty(grid * 2 * per_group * cap, dtype=cp.uint32)
     buf_idx = cp.empty(grid * 2 * per_group * cap, dtype=cp.uint32)
     counter = cp.zeros(1, dtype=cp.int32)
