@@ -252,9 +252,20 @@ __device__ void span_ties(const typename D::Bits* row, const Layout& L, u32 s, t
     if (s == 0 && L.head) scalars(0, L.head);
     const uint4* vec = reinterpret_cast<const uint4*>(row + L.head);
     const u32 v0 = min(s * L.sv, L.nv), v1 = min(v0 + L.sv, L.nv);
-    for (u32 v = v0; v < v1 && found < take; v += 32) {
-        const u32 w = v + lane_id();
-        piece(w < v1 ? __ldg(vec + w) : uint4{}, w < v1 ? (u32)D::VEC : 0u, L.head + w * D::VEC);
+    // UNROLL vectors per lane in flight, then taken in index order (the
+    // writes stop at `take`, so a step past the last needed tie is harmless).
+    for (u32 v = v0; v < v1 && found < take; v += 32 * UNROLL) {
+        uint4 x[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u32 w = v + 32 * u + lane_id();
+            x[u] = w < v1 ? __ldg(vec + w) : uint4{};
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u32 w = v + 32 * u + lane_id();
+            piece(x[u], w < v1 ? (u32)D::VEC : 0u, L.head + w * D::VEC);
+        }
     }
     if (s == L.spans - 1 && L.tail && found < take) scalars(L.head + L.nv * D::VEC, L.tail);
 }
