@@ -392,24 +392,18 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
         stream_group(sh, p, q_tile, k_tiles, w_s, [&](int s0, const float (&owned)[OWNED][2]) {
-            const int quad = (int)(threadIdx.x & 3);  // each quad lane owns every fourth query
             #pragma unroll
             for (int m = 0; m < OWNED; ++m) {
-                const int qi = min(4 * m + quad, TQ - 1);
+                const int qi = 4 * m + (int)(threadIdx.x & 3);  // each quad lane owns every fourth query
+                if (qi >= TQ) continue;
                 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     const int s = s0 + key_row(rr);
                     const u32 bits = __float_as_uint(owned[m][rr]);
-                    const bool take = 4 * m + quad < TQ && s >= sh.lo[qi] && s < sh.hi[qi] &&
-                                      score_key(bits) > sh.thr[qi];
-                    #pragma unroll
-                    for (int c = 0; c < 4 && 4 * m + c < TQ; ++c) {  // one append per warp and query
-                        const bool mine = take && quad == c;
-                        const u32 slot = warp_append(&sh.count[4 * m + c], mine);
-                        if (mine) {
-                            buf.bits[buf.at(sh.flip[qi], qi) + slot] = bits;
-                            buf.idx[buf.at(sh.flip[qi], qi) + slot] = (u32)s;
-                        }
+                    if (s >= sh.lo[qi] && s < sh.hi[qi] && score_key(bits) > sh.thr[qi]) {
+                        const u32 slot = atomicAdd(&sh.count[qi], 1u);
+                        buf.bits[buf.at(sh.flip[qi], qi) + slot] = bits;
+                        buf.idx[buf.at(sh.flip[qi], qi) + slot] = (u32)s;
                     }
                 }
             }
