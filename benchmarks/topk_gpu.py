@@ -65,6 +65,15 @@ def make_rows(cp, torch, kind: str, shape, dtype: str, seed: int):
     return base, tensor
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """--rows, --n, --k, --dtype: one configuration of rows [rows, n] (the
+    per-configuration benchmarks beside this one take them)."""
+    parser.add_argument("--rows", type=int)
+    parser.add_argument("--n", type=int)
+    parser.add_argument("--k", type=int)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+
 def peers(cp, torch, k: int, dtype: str, kind: str):
     import hyscale_core as hs
 

@@ -29,7 +29,7 @@ import argparse
 import numpy as np
 
 from .common import gpu_device, write_results
-from .topk_gpu import DATA, make_rows
+from .topk_gpu import DATA, add_shape_arguments, make_rows
 
 PHASES = ["sample", "pass", "gather", "fallback", "resolve", "sort"]
 CONFIGS = [(1, 1 << 20, 4096, "bfloat16"), (1, 1 << 20, 4096, "float32"), (64, 131072, 4096, "bfloat16"),
@@ -115,10 +115,7 @@ def main(argv=None) -> None:
     from hyscale_core.ops.topk import gpu
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int)
-    parser.add_argument("--n", type=int)
-    parser.add_argument("--k", type=int)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_shape_arguments(parser)
     parser.add_argument("--data", nargs="+", default=["random", "ascending"], choices=DATA)
     parser.add_argument("--launches", type=int, default=5)
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")

@@ -15,7 +15,7 @@ import argparse
 import itertools
 
 from .common import copies_for, gpu_device, table, time_gpu, write_results
-from .topk_gpu import DATA
+from .topk_gpu import DATA, add_shape_arguments
 
 CONFIGS = [
     (1024, 131072, 2048, "float32"),
@@ -94,10 +94,7 @@ def run(configs, repeats: int, chunk_counts=CHUNKS) -> list[dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int)
-    parser.add_argument("--n", type=int)
-    parser.add_argument("--k", type=int)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_shape_arguments(parser)
     parser.add_argument("--data", default="random", choices=DATA, help="input kind (benchmarks/topk_gpu.py)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--chunks", type=int, nargs="+", default=list(CHUNKS),
