@@ -84,7 +84,9 @@ def measure(cp, torch, gpu, rows: int, n: int, k: int, dtype: str, data: str, la
     kernel = module.get_function(f"topk_{dtype}_largest")
     kernel.max_dynamic_shared_size_bytes = gpu.MAX_DYNAMIC_SMEM
     marks = cp.ndarray((MAX_BLOCKS * 8,), cp.uint64, module.get_global("hs_phase"))
-    ws, done = gpu._scratch(cp, rows, launch.ws_bytes, device) if launch.ws_bytes else (gpu._NULL, gpu._NULL)
+    ws = done = gpu.null_pointer()
+    if launch.ws_bytes:
+        ws, done = gpu._scratch(cp, rows, launch.ws_bytes, device)
     out_idx, out_val = cp.empty((rows, k), cp.int64), cp.empty((rows, k), x.dtype)
     per_launch = []
     for _ in range(launches + 1):  # the first launch warms up

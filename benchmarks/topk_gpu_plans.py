@@ -39,7 +39,7 @@ def variants(gpu, rows: int, n: int, k: int, itemsize: int, sms: int, chunk_coun
     ms = SAMPLE_M if default.sample_m else (0,)
     chunks = chunk_counts if default.chunks > 1 else (1,)
     for threads, m, c in itertools.product(THREADS, ms, chunks):
-        p = gpu._plan(rows, n, k, itemsize, sms, threads=threads, sample_m=m or None, chunks=c)
+        p = gpu.plan(rows, n, k, itemsize, sms, threads=threads, sample_m=m or None, chunks=c)
         if p != default:
             yield f"t{threads} m{p.sample_m} c{p.chunks}", p
 

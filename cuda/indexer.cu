@@ -25,9 +25,9 @@
 // Selection (indexer_topk_*): a score enters the query's candidate buffer
 // only if its key beats the running threshold; when the buffer could not
 // take another tile (more than cap - KT entries) it is cut back to the top k
-// (by key, then lower index) and the threshold rises to the k-th key. Tiles go in ascending key order, so a
-// later key equal to the threshold ranks below every kept one: the strict
-// test is exact. The end of the stream cuts to k and sorts.
+// (by key, then lower index) and the threshold rises to the k-th key. Tiles
+// go in ascending key order, so a later key equal to the threshold ranks
+// below every kept one: the strict test is exact. The end of the stream cuts to k and sorts.
 // Scores (indexer_scores_*) run the same tile code and write the table, so
 // both give bitwise-identical scores.
 #include "select.cuh"
@@ -241,7 +241,8 @@ __device__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k) {
         #pragma unroll
         for (int u = 0; u < PRUNE_U; ++u) {
             const u32 key = score_key(b[u]);
-            const bool keep = base + u * THREADS + threadIdx.x < n && (key > thr || (key == thr && x[u] <= max_tie_idx));
+            const bool keep = base + u * THREADS + threadIdx.x < n &&
+                              (key > thr || (key == thr && x[u] <= max_tie_idx));
             const u32 slot = warp_append(&sh.next_slot, keep);
             if (keep) {
                 dst_bits[slot] = b[u];

@@ -73,15 +73,11 @@ def sample_rank(m: int, k: int, n: int) -> int:
     return int(min(m, math.ceil(mean + 4.0 * math.sqrt(mean) + 3.0)))
 
 
-def plan(n_rows: int, n: int, k: int, itemsize: int, sms: int) -> Plan:
-    """Launch parameters for ``k <= SORT_CAP`` of rows of length ``n``."""
-    return _plan(n_rows, n, k, itemsize, sms)
-
-
-def _plan(n_rows: int, n: int, k: int, itemsize: int, sms: int, *, threads: int | None = None,
-          sample_m: int | None = None, chunks: int | None = None) -> Plan:
-    """The plan of :func:`plan`; ``threads`` (256 or 512), ``sample_m`` (a power of
-    two >= 4096) and ``chunks`` override the defaults (benchmarks/topk_gpu_plans.py
+def plan(n_rows: int, n: int, k: int, itemsize: int, sms: int, *, threads: int | None = None,
+         sample_m: int | None = None, chunks: int | None = None) -> Plan:
+    """Launch parameters for ``k <= SORT_CAP`` of ``n_rows`` rows of length ``n``
+    on ``sms`` SMs; ``threads`` (256 or 512), ``sample_m`` (a power of two
+    >= 4096) and ``chunks`` override the defaults (benchmarks/topk_gpu_plans.py
     sweeps them)."""
     key_bytes = 8 if itemsize == 8 else 4
     entry = key_bytes + 4
@@ -141,11 +137,21 @@ def _scratch(cp, n_rows: int, ws_bytes: int, device: int):
 ARGS_DTYPE = np.dtype([(name, np.uint32) for name in
                        ("rows", "n", "k", "chunks", "cap", "sample_m", "sample_r", "k_pad", "by_key")])
 
-try:  # CuPy's by-value argument, built once per shape: launches then skip its conversion
-    from cupy.cuda.function import CNumpyArray as _by_value
-except ImportError:  # a size-1 NumPy array is passed by value too, converted at every launch
-    def _by_value(array):
-        return array
+@functools.lru_cache(maxsize=None)
+def _by_value_form():
+    """CuPy's by-value argument type, wrapped once per shape so that launches
+    skip its conversion; without it (another CuPy), the size-1 NumPy array
+    itself, which CuPy also passes by value, converted at every launch.
+    Looked up on first use: importing hyscale_core must not import CuPy."""
+    try:
+        from cupy.cuda.function import CNumpyArray
+    except ImportError:
+        return lambda array: array
+    return CNumpyArray
+
+
+def _by_value(array: np.ndarray):
+    return _by_value_form()(array)
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,7 +197,10 @@ def _default_launch(n_rows: int, n: int, k: int, dtype, largest: bool, by_key: b
     return found
 
 
-_NULL = _by_value(np.zeros(1, dtype=np.uint64))  # a null pointer argument
+@functools.lru_cache(maxsize=None)
+def null_pointer():
+    """A null pointer kernel argument (8 zero bytes, by value)."""
+    return _by_value(np.zeros(1, dtype=np.uint64))
 
 
 def run(cp, rows, k: int, launch: Launch, device: int):
@@ -205,7 +214,7 @@ def run(cp, rows, k: int, launch: Launch, device: int):
     if POISON_OUTPUTS:
         out_idx.fill(-7)
         out_val.view(key_spec(rows.dtype).bits_dtype).fill(0x5A)
-    ws = done = _NULL
+    ws = done = null_pointer()
     if launch.ws_bytes:
         ws, done = _scratch(cp, n_rows, launch.ws_bytes, device)
     launch.kernel(launch.grid, launch.block, (rows, launch.args, ws, done, out_idx, out_val), shared_mem=launch.smem)
