@@ -13,7 +13,8 @@ want_probs=False, so without the public call's argument checks); "hs
 fwd+probs" the public call with return_probs=True (a second pass recomputes
 the logits once lse is known); "hs bwd" the public backward. With
 --breakdown, "hs bwd phase: ..." rows estimate each of the backward's three
-phases (its first query chunk timed, times the chunk count). torch runs
+phases, and the key sort alone (part of the third), from its first query
+chunk timed, times the chunk count. torch runs
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. Indices: for
 query t, k keys drawn uniformly (with replacement) from [0, max(t + 1, k)):
@@ -73,14 +74,15 @@ def torch_forward_backward(torch, q, kv, idx, dout, scale, chunk):
 
 
 def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
-    """ms of the backward's three phases on its first query chunk, times the
+    """ms of the backward's phases on its first query chunk, times the
     number of chunks: {phase: (ms, chunk queries)}."""
+    from hyscale_core.gpu.segments import key_segments
     from hyscale_core.ops.sparse_attention import gpu
 
     n, h, _ = q.shape
-    groups = -(-h // gpu.HEADS_PER_CTA)
+    passes = gpu._passes(h)
     defines, out16, dout16, lse32 = gpu.backward_operands(q, kv, out, lse, dout, D_V, scale)
-    c = next(gpu.query_chunks(n, groups * idx.shape[1]))[1]
+    c = next(gpu.query_chunks(n, passes * idx.shape[1]))[1]
     part = slice(0, c)
     dq = cp.empty(q[part].shape, dtype=cp.uint16)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
@@ -89,7 +91,8 @@ def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
     rows = gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines)
     phases = {"dq kernel": lambda i: gpu.dq_and_images(*operands),
               "dkv rows kernel": lambda i: gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines),
-              "sort + per-key sums": lambda i: gpu.add_rows_by_key(idx[part], rows, groups, dkv, defines)}
+              "key sort": lambda i: key_segments(idx[part], cp.int32),
+              "sort + per-key sums": lambda i: gpu.add_rows_by_key(idx[part], rows, passes, dkv, defines)}
     return {name: (time_gpu(fn, repeats=repeats, warmup=1) * n / c, c) for name, fn in phases.items()}
 
 

@@ -6,10 +6,12 @@
 // 0 on rows whose valid slots all hold one key), adds ds kv into dq (kept in
 // registers), and writes the block's ds and p' = p / scale tiles (16-bit, as
 // their swizzled shared-memory image) to a scratch buffer.
-// sa_backward_dkv_rows reads those images back and computes each slot's dkv
-// row, scale * (ds^T q + p'^T dout), into a per-(query, head group, slot)
-// float32 buffer. sa_dkv_segments adds those rows into dkv key by key in
-// ascending (query, slot, group) order: bitwise reproducible.
+// sa_backward_dkv_rows1 / 2 read those images back and compute each slot's
+// dkv row, scale * (ds^T q + p'^T dout) summed over up to 128 heads (one or
+// two head groups: one row per slot for h <= 128), into a per-(query, head
+// pass, slot) float32 buffer; a CTA computes half of a row's columns.
+// sa_dkv_segments adds those rows into dkv key by key in ascending (query,
+// slot, pass) order: bitwise reproducible.
 #include "wgmma.cuh"
 #include "sparse_attention.cuh"
 
@@ -219,35 +221,60 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
     }
 }
 
-// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + 2 * IMAGE_BYTES.
-// Grid as sa_backward_dq. rows: [C * groups, k, 576] float32; row (cta, slot)
-// = scale * (ds^T q + p'^T dout) of that slot, written for valid slots only.
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-sa_backward_dkv_rows(const u16* q, const u16* dout, const int* indices, const unsigned char* images, float* rows,
-                     int h, int k, float scale) {
-    __shared__ BwdShared sh;
+namespace {
+
+// Rows 0 .. ROWS-1 (heads head0 + r, zeros past h) of x[t] ([h, width] per
+// query), `chunks` 16-byte chunks from feature `first`, into a region layout
+// of ROWS rows (region i holds features first + 64 i ..).
+template <int ROWS>
+__device__ __forceinline__ void stage_head_columns(unsigned char* tile, const u16* x, int width, int t, int head0,
+                                                   int h, int first, int chunks) {
+    for (int r = threadIdx.x >> 2; r < ROWS; r += THREADS / 4) {
+        const int head = head0 + r;
+        const bool valid = head < h;
+        const u16* src = x + ((size_t)t * h + (valid ? head : 0)) * width + first;
+        for (int c = threadIdx.x & 3; c < chunks; c += 4) cp_async16(tile + swizzled_offset(r, c, ROWS), src + c * 8, valid);
+    }
+}
+
+// One head pass of the dkv rows: GP head groups (GP * 64 heads, the K of the
+// products) and one column half of every row: HALF 0 features 0..255, HALF 1
+// features 256..575 (rope 512..575 computed by both warpgroups, so they run
+// one instruction stream; warpgroup 1 stores it). Warpgroup w owns features
+// 128 w .. 128 w + 127 of the half.
+template <int GP, int HALF>
+__device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, const int* indices,
+                                              const unsigned char* images, float* rows, int h, int k, float scale,
+                                              int pass, int t) {
+    constexpr int KH = GP * BH;   // heads summed by this pass
+    constexpr int R = KH * 128;   // one region of the q and dout tiles
+    constexpr int FIRST = 256 * HALF;
+    __shared__ int idx[2][BK];
     unsigned char* q_tile = aligned_dynamic_smem();
-    unsigned char* do_tile = q_tile + Q_BYTES;
-    unsigned char* image_tiles = do_tile + DO_BYTES;
-    const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
-    const int nb = (k + BK - 1) / BK;
+    unsigned char* do_tile = q_tile + 5 * R;
+    unsigned char* image_tiles = do_tile + 4 * R;
+    const int groups = (h + BH - 1) / BH, passes = (groups + 1) / 2, nb = (k + BK - 1) / BK;
     const Lane ln = lane_geometry();
-    stage_heads<D>(q_tile, q, t, g, h);
-    stage_heads<DV>(do_tile, dout, t, g, h);
+    stage_head_columns<KH>(q_tile, q, D, t, 2 * pass * BH, h, FIRST, HALF ? (D - 256) / 8 : 32);
+    stage_head_columns<KH>(do_tile, dout, DV, t, 2 * pass * BH, h, FIRST, 32);
     cp_async_commit();
-    const unsigned char* image = images + (size_t)blockIdx.x * nb * IMAGE_BYTES;
-    float* cta_rows = rows + (size_t)blockIdx.x * k * D;
-    // Stage block b's images (blocks sa_backward_dq skipped hold garbage, and are skipped here too).
+    const unsigned char* image = images + ((size_t)t * groups + 2 * pass) * nb * IMAGE_BYTES;
+    float* query_rows = rows + ((size_t)t * passes + pass) * k * D;
+    // Stage block b's images of the pass's groups (blocks sa_backward_dq skipped hold garbage, and are skipped here too).
     auto stage = [&](int b, int s) {
-        unsigned char* dst = image_tiles + (b & 1) * IMAGE_BYTES;
-        const unsigned char* src = image + (size_t)b * IMAGE_BYTES;
-        for (int c = threadIdx.x; c < IMAGE_BYTES / 16; c += THREADS) cp_async16(dst + 16 * c, src + 16 * c, true);
-        record_key(sh.idx[b & 1], s);
+        unsigned char* dst = image_tiles + (b & 1) * GP * IMAGE_BYTES;
+        #pragma unroll
+        for (int gi = 0; gi < GP; ++gi) {
+            const unsigned char* src = image + ((size_t)gi * nb + b) * IMAGE_BYTES;
+            for (int c = threadIdx.x; c < IMAGE_BYTES / 16; c += THREADS)
+                cp_async16(dst + gi * IMAGE_BYTES + 16 * c, src + 16 * c);
+        }
+        record_key(idx[b & 1], s);
     };
     int s_cur = slot_key(indices, t, k, 0), s_next = slot_key(indices, t, k, 1);
     if (nb > 0) stage(0, s_cur);
     cp_async_commit();
-    float acc[128], rope[32];  // each block's products overwrite them (accumulate = 0 at the first k-step)
+    float acc[64], rope[32];  // each block's products overwrite them (accumulate = 0 at the first k-step)
     zero(acc);
     zero(rope);
     for (int b = 0; b < nb; ++b) {
@@ -259,18 +286,17 @@ sa_backward_dkv_rows(const u16* q, const u16* dout, const int* indices, const un
         s_cur = s_next;
         s_next = slot_key(indices, t, k, b + 2);
         if (!any) continue;
-        const unsigned char* ds_img = image_tiles + (b & 1) * IMAGE_BYTES;
+        const unsigned char* block_images = image_tiles + (b & 1) * GP * IMAGE_BYTES;
         mma_begin(acc);
         wgmma_fence_operands(rope);
         #pragma unroll
-        for (int kk = 0; kk < BH / 16; ++kk) {
-            const u64 a_ds = wgmma_desc_mn(ds_img + kk * K_STEP_ROWS, REGION);
-            const u64 a_p = wgmma_desc_mn(ds_img + P_BYTES + kk * K_STEP_ROWS, REGION);
-            const int n0 = ln.w * 4 * REGION + kk * K_STEP_ROWS;
-            wgmma_m64n256k16<F16, 1, 1>(acc, a_ds, wgmma_desc_mn(q_tile + n0, REGION), kk > 0);
-            wgmma_m64n256k16<F16, 1, 1>(acc, a_p, wgmma_desc_mn(do_tile + n0, REGION), 1);
-            wgmma_m64n64k16<F16, 1, 1>(rope, a_ds, wgmma_desc_mn(q_tile + 8 * REGION + kk * K_STEP_ROWS, REGION),
-                                       kk > 0);
+        for (int kk = 0; kk < KH / 16; ++kk) {
+            const unsigned char* ds_img = block_images + (kk / 4) * IMAGE_BYTES + (kk % 4) * K_STEP_ROWS;
+            const u64 a_ds = wgmma_desc_mn(ds_img, REGION), a_p = wgmma_desc_mn(ds_img + P_BYTES, REGION);
+            const int n0 = ln.w * 2 * R + kk * K_STEP_ROWS;
+            wgmma_m64n128k16<F16, 1, 1>(acc, a_ds, wgmma_desc_mn(q_tile + n0, R), kk > 0);
+            wgmma_m64n128k16<F16, 1, 1>(acc, a_p, wgmma_desc_mn(do_tile + n0, R), 1);
+            if (HALF) wgmma_m64n64k16<F16, 1, 1>(rope, a_ds, wgmma_desc_mn(q_tile + 4 * R + kk * K_STEP_ROWS, R), kk > 0);
         }
         mma_end();
         wgmma_fence_operands(acc);
@@ -278,37 +304,78 @@ sa_backward_dkv_rows(const u16* q, const u16* dout, const int* indices, const un
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int slot = ln.row0 + 8 * r;
-            if (sh.idx[b & 1][slot] < 0) continue;
-            float* dst = cta_rows + (size_t)(b * BK + slot) * D;
-            store_row(acc, rope, r, scale, ln, [&](int c, float a, float v) {
-                *reinterpret_cast<float2*>(dst + c) = make_float2(a, v);
-            });
+            if (idx[b & 1][slot] < 0) continue;
+            float* dst = query_rows + (size_t)(b * BK + slot) * D;
+            #pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const int c = FIRST + ln.w * 128 + 8 * j + ln.cq;
+                *reinterpret_cast<float2*>(dst + c) = make_float2(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+            }
+            if (HALF && ln.w == 1)
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int c = DV + 8 * j + ln.cq;
+                    *reinterpret_cast<float2*>(dst + c) =
+                        make_float2(rope[4 * j + 2 * r] * scale, rope[4 * j + 2 * r + 1] * scale);
+                }
         }
     }
     cp_async_wait<0>();
 }
 
+}  // namespace
+
+// Dynamic shared memory: 1024 + 13 * GP * 64 * 128 (q and dout columns of
+// the half, two blocks of GP images). Grid: 2 C CTAs over the chunk's queries,
+// CTA 2 t + half. rows: [C, passes, k, 576] float32 (passes = ceil(groups /
+// 2)); row (t, pass, slot) = scale * (ds^T q + p'^T dout) of that slot over
+// the pass's heads 128 pass .. 128 pass + 64 GP - 1, written for valid slots
+// only. GP = 1 runs two CTAs per SM.
+#define HS_DKV_ROWS(GP)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS, 3 - GP)                                                    \
+    sa_backward_dkv_rows##GP(const u16* q, const u16* dout, const int* indices, const unsigned char* images,        \
+                             float* rows, int h, int k, float scale, int pass) {                                     \
+        const int t = blockIdx.x >> 1;                                                                               \
+        if (blockIdx.x & 1)                                                                                          \
+            dkv_rows_half<GP, 1>(q, dout, indices, images, rows, h, k, scale, pass, t);                              \
+        else                                                                                                         \
+            dkv_rows_half<GP, 0>(q, dout, indices, images, rows, h, k, scale, pass, t);                              \
+    }
+HS_DKV_ROWS(1)
+HS_DKV_ROWS(2)
+#undef HS_DKV_ROWS
+
 // dkv[keys[s], :] += the rows of segment s's pairs, one after another in the
 // segment's order: pair e is pairs[e] = t * k + i < 2^31 (query t of the chunk,
-// slot i); its rows (t * groups + g) * k + i, g ascending, follow each other.
-// One CTA of D / 4 threads per segment (4 columns each); no atomics.
+// slot i); its rows (t * passes + p) * k + i, p ascending, follow each other.
+// One CTA of D / 4 threads per segment (4 columns each), LOADS rows in flight
+// per thread, added in order; no atomics.
 extern "C" __global__ void __launch_bounds__(D / 4)
-sa_dkv_segments(const float* rows, const int* pairs, const int* starts, const int* keys, int k, int groups,
+sa_dkv_segments(const float* rows, const int* pairs, const int* starts, const int* keys, int k, int passes,
                 float* dkv) {
+    constexpr int LOADS = 4;
     const int s = blockIdx.x, c = threadIdx.x;
     float4* dst = reinterpret_cast<float4*>(dkv) + (size_t)keys[s] * (D / 4) + c;
     const float4* src = reinterpret_cast<const float4*>(rows) + c;
+    const int first = starts[s], terms = (starts[s + 1] - first) * passes;
     float4 acc = *dst;
-    for (int e = starts[s]; e < starts[s + 1]; ++e) {
-        const int t = pairs[e] / k, i = pairs[e] - t * k;
-        for (int g = 0; g < groups; ++g) {
-            const float4 v = src[(((size_t)t * groups + g) * k + i) * (D / 4)];
-            acc.x += v.x;
-            acc.y += v.y;
-            acc.z += v.z;
-            acc.w += v.w;
+    for (int u0 = 0; u0 < terms; u0 += LOADS) {
+        float4 v[LOADS];
+        #pragma unroll
+        for (int j = 0; j < LOADS; ++j) {
+            const int u = min(u0 + j, terms - 1);  // past the end: a repeat, loaded but not added
+            const int pair = pairs[first + u / passes], t = pair / k, i = pair - t * k;
+            v[j] = src[(((size_t)t * passes + u % passes) * k + i) * (D / 4)];
+        }
+        #pragma unroll
+        for (int j = 0; j < LOADS; ++j) {
+            if (u0 + j < terms) {
+                acc.x += v[j].x;
+                acc.y += v[j].y;
+                acc.z += v[j].z;
+                acc.w += v[j].w;
+            }
         }
     }
     *dst = acc;
 }
-

@@ -464,9 +464,12 @@ def test_kernels_backward_within_twice_naive_error(kernels, dtype, h, k):
 
 
 @pytest.mark.gpu
-def test_kernels_partial_head_group_and_custom_scale(kernels):
-    """h = 100: a full group of 64 heads and one of 36 (probs add the groups)."""
-    q, kv, indices = make_inputs(np.random.default_rng(20), 3, 100, 300, 500, dtype=bfloat16)
+@pytest.mark.parametrize("h", [100, 150])
+def test_kernels_partial_head_group_and_custom_scale(kernels, h):
+    """h = 100: a full group of 64 heads and one of 36 (probs add the groups;
+    one dkv-rows pass sums both); h = 150: groups of 64, 64, 22, so the dkv
+    rows take two passes, the second of one partial group."""
+    q, kv, indices = make_inputs(np.random.default_rng(20), 3, h, 300, 500, dtype=bfloat16)
     check_forward("gpu", q, kv, indices, scale=0.07)
     check_backward("gpu", q, kv, indices, scale=0.07)
 

@@ -22,8 +22,9 @@ block of 64 slots):
   recomputed, ds = p (dp - delta) is rounded to 16-bit as an operand (and is
   exactly 0 on a row whose valid slots all hold one key, where p does not
   depend on the logits), dq accumulates in float32 registers. Each selected slot's dkv row,
-  scale ds^T q + p^T dout, is written in float32 and the rows are added
-  into a float32 dkv key by key in ascending (query, slot, head group)
+  scale ds^T q + p^T dout summed over the heads of a pass (up to 128, so
+  one row per slot for h <= 128), is written in float32 and the rows are
+  added into a float32 dkv key by key in ascending (query, slot, pass)
   order (a stable sort of the index table; no atomics), then rounded once
   to kv's dtype. Bitwise reproducible, and independent of the query
   chunking (``ROWS_BYTES``), since each key's running sum sees the same
@@ -47,7 +48,8 @@ _TILE = 64 * 128  # one 64-row region of a swizzled tile, bytes
 IMAGE_BYTES = 2 * _TILE  # a block's ds and p' tiles
 SMEM_FORWARD = 1024 + 9 * _TILE + 2 * 9 * _TILE + _TILE
 SMEM_DQ = 1024 + 9 * _TILE + 8 * _TILE + 9 * _TILE + _TILE
-SMEM_DKV_ROWS = 1024 + 9 * _TILE + 8 * _TILE + 2 * IMAGE_BYTES
+GROUPS_PER_PASS = 2  # head groups one dkv-rows pass sums (its K: up to 128 heads)
+SMEM_DKV_ROWS = {gp: 1024 + 13 * gp * _TILE for gp in (1, 2)}  # q and dout columns of a half, 2 blocks of images
 
 ROWS_BYTES = 4 << 30  # the backward's float32 dkv rows per query chunk
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
@@ -77,6 +79,11 @@ def _bits(x):
 
 def _groups(h: int) -> int:
     return -(-h // HEADS_PER_CTA)
+
+
+def _passes(h: int) -> int:
+    """Head passes of the dkv rows: one row per slot and pass."""
+    return -(-_groups(h) // GROUPS_PER_PASS)
 
 
 def _sum_groups(cp, part):
@@ -142,28 +149,32 @@ def dq_and_images(q, kv, indices, out, dout, lse, dq, scale: float, defines: tup
 
 
 def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...]):
-    """sa_backward_dkv_rows on the chunk of ``dq_and_images``: float32 [C * groups * k, 576],
-    row (t * groups + g) * k + i = head group g's dkv contribution of slot i of query t."""
+    """sa_backward_dkv_rows1 / 2 on the chunk of ``dq_and_images``: float32
+    [C * passes * k, 576], row (t * passes + p) * k + i = the dkv contribution
+    of slot i of query t from the heads of pass p (128 p .. 128 p + 127)."""
     cp = cupy_module()
     (n, h, _), k = q.shape, indices.shape[1]
-    ctas = n * _groups(h)
-    rows = cp.empty((ctas * k, D_QK), dtype=cp.float32)
-    _kernel("sa_backward_dkv_rows", SMEM_DKV_ROWS, defines)(
-        (ctas,), (THREADS,), (_bits(q), _bits(dout), indices, images, rows, np.int32(h), np.int32(k),
-                              np.float32(scale)), shared_mem=SMEM_DKV_ROWS)
+    groups, passes = _groups(h), _passes(h)
+    rows = cp.empty((n * passes * k, D_QK), dtype=cp.float32)
+    for p in range(passes):
+        gp = min(GROUPS_PER_PASS, groups - GROUPS_PER_PASS * p)
+        smem = SMEM_DKV_ROWS[gp]
+        _kernel(f"sa_backward_dkv_rows{gp}", smem, defines)(
+            (2 * n,), (THREADS,), (_bits(q), _bits(dout), indices, images, rows, np.int32(h), np.int32(k),
+                                   np.float32(scale), np.int32(p)), shared_mem=smem)
     return rows
 
 
-def add_rows_by_key(indices, rows, groups: int, dkv, defines: tuple[str, ...]) -> None:
+def add_rows_by_key(indices, rows, passes: int, dkv, defines: tuple[str, ...]) -> None:
     """dkv[s] += every row of the chunk whose slot selected key s, in ascending
-    (query, slot, group) order. indices int32 [C, k]; rows float32 [C * groups * k, 576]."""
+    (query, slot, pass) order. indices int32 [C, k]; rows float32 [C * passes * k, 576]."""
     segments = key_segments(indices, cupy_module().int32)
     if segments is None:
         return
     pairs, starts, keys = segments
     k = indices.shape[1]
     _kernel("sa_dkv_segments", 0, defines)((int(keys.size),), (D_QK // 4,),
-                                           (rows, pairs, starts, keys, np.int32(k), np.int32(groups), dkv))
+                                           (rows, pairs, starts, keys, np.int32(k), np.int32(passes), dkv))
 
 
 def backward_operands(q, kv, out, lse, dout, d_v: int, scale: float):
@@ -181,16 +192,16 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
         return gpu_fallback.sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale)
     defines, out16, dout16, lse32 = operands
     cp = cupy_module()
-    groups = _groups(q.shape[1])
+    passes = _passes(q.shape[1])
     dq = cp.empty(q.shape, dtype=cp.uint16)
     if POISON_OUTPUTS:
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
-    for t0, t1 in query_chunks(q.shape[0], groups * indices.shape[1]):
+    for t0, t1 in query_chunks(q.shape[0], passes * indices.shape[1]):
         chunk = slice(t0, t1)
         images = dq_and_images(q[chunk], kv, indices[chunk], out16[chunk], dout16[chunk], lse32[chunk], dq[chunk],
                                scale, defines)
         rows = dkv_rows(q[chunk], dout16[chunk], indices[chunk], images, scale, defines)
         del images
-        add_rows_by_key(indices[chunk], rows, groups, dkv, defines)
+        add_rows_by_key(indices[chunk], rows, passes, dkv, defines)
     return dq.view(q.dtype), narrow(dkv, kv.dtype)
