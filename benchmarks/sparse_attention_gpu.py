@@ -11,10 +11,11 @@ and out at the copy bandwidth, both rates measured in the same run.
 Rows: "hs fwd" is the kernel forward without probs (the backend call with
 want_probs=False, so without the public call's argument checks); "hs
 fwd+probs" the public call with return_probs=True (a second pass recomputes
-the logits once lse is known); "hs bwd" the public backward. With
---breakdown, "hs bwd phase: ..." rows estimate each of the backward's three
-phases, and the key sort alone (part of the third), from its first query
-chunk timed, times the chunk count. torch runs
+the logits once lse is known); "hs bwd" the public backward (bfloat16 dkv
+rows), "hs bwd precise" the same with precise_dkv=True (float32 rows). With
+--breakdown, "hs bwd phase: ..." rows estimate each of the default
+backward's three phases, and the key sort alone (part of the third), from
+its first query chunk timed, times the chunk count. torch runs
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. Indices: for
 query t, k keys drawn uniformly (with replacement) from [0, max(t + 1, k)):
@@ -80,18 +81,19 @@ def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
     from hyscale_core.ops.sparse_attention import gpu
 
     n, h, _ = q.shape
-    passes = gpu._passes(h)
+    passes, rows_as = gpu._passes(h), gpu.dkv_rows_dtype(q, precise_dkv=False)
     defines, out16, dout16, lse32 = gpu.backward_operands(q, kv, out, lse, dout, D_V, scale)
-    c = next(gpu.query_chunks(n, passes * idx.shape[1]))[1]
+    c = next(gpu.query_chunks(n, passes * idx.shape[1], D_QK * np.dtype(rows_as).itemsize))[1]
     part = slice(0, c)
     dq = cp.empty(q[part].shape, dtype=cp.uint16)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
     operands = (q[part], kv, idx[part], out16[part], dout16[part], lse32[part], dq, scale, defines)
     images = gpu.dq_and_images(*operands)
-    rows = gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines)
+    rows = gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines, rows_as)
     phases = {"dq kernel": lambda i: gpu.dq_and_images(*operands),
-              "dkv rows kernel": lambda i: gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines),
-              "key sort": lambda i: key_segments(idx[part], cp.int32),
+              "dkv rows kernel": lambda i: gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines,
+                                                       rows_as),
+              "key sort": lambda i: key_segments(idx[part], cp.int32, kv.shape[0]),
               "sort + per-key sums": lambda i: gpu.add_rows_by_key(idx[part], rows, passes, dkv, defines)}
     return {name: (time_gpu(fn, repeats=repeats, warmup=1) * n / c, c) for name, fn in phases.items()}
 
@@ -110,6 +112,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
         "hs fwd": lambda i: hs.sparse_attention(q, kv, idx),
         "hs fwd+probs": lambda i: hs.sparse_attention(q, kv, idx, return_probs=True),
         "hs bwd": lambda i: hs.sparse_attention_backward(q, kv, idx, out, lse, dout),
+        "hs bwd precise": lambda i: hs.sparse_attention_backward(q, kv, idx, out, lse, dout, precise_dkv=True),
     }
     check = {}
     if n <= args.max_peer_n:
@@ -130,7 +133,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
     config = {"n": n, "h": h, "d_qk": D_QK, "d_v": D_V, "k": k, "dtype": "bfloat16"}
     rows = []
     for name, ms in times.items():
-        kind = "bwd" if name.endswith("bwd") else ("fwd+probs" if "probs" in name else "fwd")
+        kind = "bwd" if "bwd" in name else ("fwd+probs" if "probs" in name else "fwd")
         flops = fwd_flops * (2.5 if kind == "bwd" else 1.0)
         peer = times.get("torch " + ("bwd" if kind == "bwd" else "fwd"))
         rows.append({"bench": "sparse_attention_gpu", "config": config, "impl": name, "median_ms": round(ms, 3),

@@ -233,7 +233,39 @@ __device__ __forceinline__ void stage_head_columns(unsigned char* tile, const u1
         const int head = head0 + r;
         const bool valid = head < h;
         const u16* src = x + ((size_t)t * h + (valid ? head : 0)) * width + first;
-        for (int c = threadIdx.x & 3; c < chunks; c += 4) cp_async16(tile + swizzled_offset(r, c, ROWS), src + c * 8, valid);
+        for (int c = threadIdx.x & 3; c < chunks; c += 4)
+            cp_async16(tile + swizzled_offset(r, c, ROWS), src + c * 8, valid);
+    }
+}
+
+// Row row0 + 8 r of an m64n(8 J) accumulator, times `scale`, to dst[0 .. 8 J)
+// when `store`. float rows: each lane its column pairs. u16 rows (bfloat16
+// bits, each value rounded once): lanes 2m and 2m + 1 swap one packed pair
+// per two column blocks, so each stores 4 consecutive values; every lane must
+// call this (the swap is a warp shuffle).
+template <int J>
+__device__ __forceinline__ void store_columns(float* dst, const float (&acc)[4 * J], int r, float scale, bool store,
+                                              const Lane& ln) {
+    if (!store) return;
+    #pragma unroll
+    for (int j = 0; j < J; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j + ln.cq) =
+            make_float2(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+}
+
+template <int J>
+__device__ __forceinline__ void store_columns(u16* dst, const float (&acc)[4 * J], int r, float scale, bool store,
+                                              const Lane& ln) {
+    const bool odd = threadIdx.x & 1;
+    #pragma unroll
+    for (int j = 0; j < J; j += 2) {
+        const u32 lo = pack_half2<false>(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+        const u32 hi = pack_half2<false>(acc[4 * j + 4 + 2 * r] * scale, acc[4 * j + 4 + 2 * r + 1] * scale);
+        const u32 got = __shfl_xor_sync(FULL_MASK, odd ? lo : hi, 1);
+        // even lane 2m: block j, columns 2m .. 2m + 3; odd lane 2m + 1: block j + 1, columns 2m .. 2m + 3
+        if (store)
+            *reinterpret_cast<uint2*>(dst + 8 * (j + odd) + (ln.cq & ~2)) =
+                odd ? make_uint2(got, hi) : make_uint2(lo, got);
     }
 }
 
@@ -242,9 +274,9 @@ __device__ __forceinline__ void stage_head_columns(unsigned char* tile, const u1
 // features 256..575 (rope 512..575 computed by both warpgroups, so they run
 // one instruction stream; warpgroup 1 stores it). Warpgroup w owns features
 // 128 w .. 128 w + 127 of the half.
-template <int GP, int HALF>
+template <int GP, int HALF, typename Row>
 __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, const int* indices,
-                                              const unsigned char* images, float* rows, int h, int k, float scale,
+                                              const unsigned char* images, Row* rows, int h, int k, float scale,
                                               int pass, int t) {
     constexpr int KH = GP * BH;   // heads summed by this pass
     constexpr int R = KH * 128;   // one region of the q and dout tiles
@@ -259,8 +291,9 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
     stage_head_columns<KH>(do_tile, dout, DV, t, 2 * pass * BH, h, FIRST, 32);
     cp_async_commit();
     const unsigned char* image = images + ((size_t)t * groups + 2 * pass) * nb * IMAGE_BYTES;
-    float* query_rows = rows + ((size_t)t * passes + pass) * k * D;
-    // Stage block b's images of the pass's groups (blocks sa_backward_dq skipped hold garbage, and are skipped here too).
+    Row* query_rows = rows + ((size_t)t * passes + pass) * k * D;
+    // Stage block b's images of the pass's groups (blocks sa_backward_dq skipped hold garbage, and are
+    // skipped here too).
     auto stage = [&](int b, int s) {
         unsigned char* dst = image_tiles + (b & 1) * GP * IMAGE_BYTES;
         #pragma unroll
@@ -296,7 +329,9 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
             const int n0 = ln.w * 2 * R + kk * K_STEP_ROWS;
             wgmma_m64n128k16<F16, 1, 1>(acc, a_ds, wgmma_desc_mn(q_tile + n0, R), kk > 0);
             wgmma_m64n128k16<F16, 1, 1>(acc, a_p, wgmma_desc_mn(do_tile + n0, R), 1);
-            if (HALF) wgmma_m64n64k16<F16, 1, 1>(rope, a_ds, wgmma_desc_mn(q_tile + 4 * R + kk * K_STEP_ROWS, R), kk > 0);
+            if (HALF)
+                wgmma_m64n64k16<F16, 1, 1>(rope, a_ds, wgmma_desc_mn(q_tile + 4 * R + kk * K_STEP_ROWS, R),
+                                           kk > 0);
         }
         mma_end();
         wgmma_fence_operands(acc);
@@ -304,20 +339,10 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int slot = ln.row0 + 8 * r;
-            if (idx[b & 1][slot] < 0) continue;
-            float* dst = query_rows + (size_t)(b * BK + slot) * D;
-            #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const int c = FIRST + ln.w * 128 + 8 * j + ln.cq;
-                *reinterpret_cast<float2*>(dst + c) = make_float2(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
-            }
-            if (HALF && ln.w == 1)
-                #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int c = DV + 8 * j + ln.cq;
-                    *reinterpret_cast<float2*>(dst + c) =
-                        make_float2(rope[4 * j + 2 * r] * scale, rope[4 * j + 2 * r + 1] * scale);
-                }
+            const bool valid = idx[b & 1][slot] >= 0;  // the same for the lane pairs the bfloat16 stores swap in
+            Row* dst = query_rows + (size_t)(b * BK + slot) * D;
+            store_columns<16>(dst + FIRST + ln.w * 128, acc, r, scale, valid, ln);
+            if (HALF) store_columns<8>(dst + DV, rope, r, scale, valid && ln.w == 1, ln);
         }
     }
     cp_async_wait<0>();
@@ -327,36 +352,49 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
 
 // Dynamic shared memory: 1024 + 13 * GP * 64 * 128 (q and dout columns of
 // the half, two blocks of GP images). Grid: 2 C CTAs over the chunk's queries,
-// CTA 2 t + half. rows: [C, passes, k, 576] float32 (passes = ceil(groups /
+// CTA 2 t + half. rows: [C, passes, k, 576] float32 (or bfloat16) (passes = ceil(groups /
 // 2)); row (t, pass, slot) = scale * (ds^T q + p'^T dout) of that slot over
 // the pass's heads 128 pass .. 128 pass + 64 GP - 1, written for valid slots
-// only. GP = 1 runs two CTAs per SM.
-#define HS_DKV_ROWS(GP)                                                                                              \
+// only; _bf16 entries write bfloat16 rows (u16 bits, each value rounded once
+// from float32). GP = 1 runs two CTAs per SM.
+#define HS_DKV_ROWS(GP, ROW, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(THREADS, 3 - GP)                                                    \
-    sa_backward_dkv_rows##GP(const u16* q, const u16* dout, const int* indices, const unsigned char* images,        \
-                             float* rows, int h, int k, float scale, int pass) {                                     \
+    NAME(const u16* q, const u16* dout, const int* indices, const unsigned char* images, ROW* rows, int h, int k,   \
+         float scale, int pass) {                                                                                   \
         const int t = blockIdx.x >> 1;                                                                               \
         if (blockIdx.x & 1)                                                                                          \
             dkv_rows_half<GP, 1>(q, dout, indices, images, rows, h, k, scale, pass, t);                              \
         else                                                                                                         \
             dkv_rows_half<GP, 0>(q, dout, indices, images, rows, h, k, scale, pass, t);                              \
     }
-HS_DKV_ROWS(1)
-HS_DKV_ROWS(2)
+HS_DKV_ROWS(1, float, sa_backward_dkv_rows1_f32)
+HS_DKV_ROWS(2, float, sa_backward_dkv_rows2_f32)
+HS_DKV_ROWS(1, u16, sa_backward_dkv_rows1_bf16)
+HS_DKV_ROWS(2, u16, sa_backward_dkv_rows2_bf16)
 #undef HS_DKV_ROWS
+
+namespace {
+
+// Four consecutive values of a row: float32, or bfloat16 bits.
+__device__ __forceinline__ float4 load4(const float* row, int c) { return reinterpret_cast<const float4*>(row)[c]; }
+
+__device__ __forceinline__ float4 load4(const u16* row, int c) {
+    const uint2 v = reinterpret_cast<const uint2*>(row)[c];
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xFFFF0000u));
+}
 
 // dkv[keys[s], :] += the rows of segment s's pairs, one after another in the
 // segment's order: pair e is pairs[e] = t * k + i < 2^31 (query t of the chunk,
 // slot i); its rows (t * passes + p) * k + i, p ascending, follow each other.
 // One CTA of D / 4 threads per segment (4 columns each), LOADS rows in flight
-// per thread, added in order; no atomics.
-extern "C" __global__ void __launch_bounds__(D / 4)
-sa_dkv_segments(const float* rows, const int* pairs, const int* starts, const int* keys, int k, int passes,
-                float* dkv) {
+// per thread, added in order into float32; no atomics.
+template <typename Row>
+__device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, const int* keys,
+                                             int k, int passes, float* dkv) {
     constexpr int LOADS = 4;
     const int s = blockIdx.x, c = threadIdx.x;
     float4* dst = reinterpret_cast<float4*>(dkv) + (size_t)keys[s] * (D / 4) + c;
-    const float4* src = reinterpret_cast<const float4*>(rows) + c;
     const int first = starts[s], terms = (starts[s + 1] - first) * passes;
     float4 acc = *dst;
     for (int u0 = 0; u0 < terms; u0 += LOADS) {
@@ -365,7 +403,7 @@ sa_dkv_segments(const float* rows, const int* pairs, const int* starts, const in
         for (int j = 0; j < LOADS; ++j) {
             const int u = min(u0 + j, terms - 1);  // past the end: a repeat, loaded but not added
             const int pair = pairs[first + u / passes], t = pair / k, i = pair - t * k;
-            v[j] = src[(((size_t)t * passes + u % passes) * k + i) * (D / 4)];
+            v[j] = load4(rows + (((size_t)t * passes + u % passes) * k + i) * D, c);
         }
         #pragma unroll
         for (int j = 0; j < LOADS; ++j) {
@@ -378,4 +416,18 @@ sa_dkv_segments(const float* rows, const int* pairs, const int* starts, const in
         }
     }
     *dst = acc;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(D / 4)
+sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, const int* keys, int k, int passes,
+                    float* dkv) {
+    dkv_segments(rows, pairs, starts, keys, k, passes, dkv);
+}
+
+extern "C" __global__ void __launch_bounds__(D / 4)
+sa_dkv_segments_bf16(const u16* rows, const int* pairs, const int* starts, const int* keys, int k, int passes,
+                     float* dkv) {
+    dkv_segments(rows, pairs, starts, keys, k, passes, dkv);
 }

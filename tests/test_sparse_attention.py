@@ -145,13 +145,13 @@ def check_forward(backend, q, kv, indices, d_v=D_V, scale=None):
     return out, lse
 
 
-def check_backward(backend, q, kv, indices, d_v=D_V, scale=None, seed=0):
+def check_backward(backend, q, kv, indices, d_v=D_V, scale=None, seed=0, precise_dkv=False):
     scale_value = scale if scale is not None else 1 / np.sqrt(q.shape[2])
     dout = np.random.default_rng(seed).standard_normal((q.shape[0], q.shape[1], d_v)).astype(q.dtype)
     args = on(backend, q, kv, indices)
     out, lse = hs.sparse_attention(*args, d_v=d_v, scale=scale)
     dq, dkv = (to_host(g) for g in hs.sparse_attention_backward(*args, out, lse, *on(backend, dout), d_v=d_v,
-                                                               scale=scale))
+                                                               scale=scale, precise_dkv=precise_dkv))
     assert dq.dtype == q.dtype and dq.shape == q.shape
     assert dkv.dtype == kv.dtype and dkv.shape == kv.shape
     ref = reference_backward(q, kv, indices, dout, d_v, scale_value)
@@ -339,6 +339,30 @@ def test_key_major_table_groups_pairs_in_ascending_order():
     assert empty.keys.size == 0 and empty.pairs.size == 0 and list(empty.starts) == [0]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_keys", [70, 0xFFFF, 70000])
+def test_gpu_key_segments_match_a_stable_sort(n_keys):
+    """16-bit sort keys (n_keys <= NARROW_KEYS) and 32-bit ones give the same
+    table: each key's positions ascending, -1 entries left out."""
+    import cupy
+
+    from hyscale_core.gpu.segments import key_segments
+
+    rng = np.random.default_rng(24)
+    indices = rng.integers(-1, n_keys, size=(50, 300)).astype(np.int32)
+    indices[3, :5] = n_keys - 1
+    flat = indices.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    order = order[flat[order] >= 0]
+    keys, first = np.unique(flat[order], return_index=True)
+    for bound in (n_keys, None):
+        positions, starts, got = (to_host(x) for x in key_segments(cupy.asarray(indices), cupy.int32, bound))
+        np.testing.assert_array_equal(positions, order)
+        np.testing.assert_array_equal(got, keys)
+        np.testing.assert_array_equal(starts, np.append(first, order.size))
+    assert key_segments(cupy.full((2, 3), -1, cupy.int32), cupy.int32, n_keys) is None
+
+
 def _bad(**changes):
     q, kv, indices = make_inputs(np.random.default_rng(12), 3, 2, 4, 12, d_qk=16)
     args = dict(q=q, kv=kv, indices=indices, d_v=8)
@@ -386,6 +410,15 @@ def test_bad_arguments_name_the_argument(args, error, match):
 def test_return_probs_must_be_a_bool():
     with pytest.raises(TypeError, match="return_probs must be a bool, got 1"):
         hs.sparse_attention(**_bad(), return_probs=1)
+
+
+def test_precise_dkv_must_be_a_bool_and_changes_nothing_on_the_cpu():
+    args = _saved()
+    with pytest.raises(TypeError, match="precise_dkv must be a bool, got 'yes'"):
+        hs.sparse_attention_backward(**args, precise_dkv="yes")
+    default = hs.sparse_attention_backward(**args)
+    precise = hs.sparse_attention_backward(**args, precise_dkv=True)
+    assert all(same_bits(a, b) for a, b in zip(default, precise))
 
 
 def _saved(**changes):
@@ -464,6 +497,13 @@ def test_kernels_backward_within_twice_naive_error(kernels, dtype, h, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h", [16, 128, 150])
+def test_kernels_precise_dkv_within_twice_naive_error(kernels, h):
+    """precise_dkv=True: float32 dkv rows (the default rounds them to bfloat16)."""
+    check_backward("gpu", *_grid_inputs(h, 2048, bfloat16), precise_dkv=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("h", [100, 150])
 def test_kernels_partial_head_group_and_custom_scale(kernels, h):
     """h = 100: a full group of 64 heads and one of 36 (probs add the groups;
@@ -499,22 +539,23 @@ def test_kernels_duplicates_and_rows_of_only_minus_one(kernels, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precise_dkv", [False, True])
 @pytest.mark.parametrize("h", [64, 128])
-def test_kernels_are_bitwise_reproducible_and_chunk_invariant(kernels, monkeypatch, h):
+def test_kernels_are_bitwise_reproducible_and_chunk_invariant(kernels, monkeypatch, h, precise_dkv):
     """Repeated runs give the same bits; so does a backward split into one-query chunks."""
     rng = np.random.default_rng(22)
     q, kv, indices = make_inputs(rng, 24, h, 256, 200, dtype=bfloat16)  # every key shared by many slots
     dout = rng.standard_normal((24, h, D_V)).astype(bfloat16)
     args = on("gpu", q, kv, indices)
     first = hs.sparse_attention(*args, return_probs=True)
-    grads = hs.sparse_attention_backward(*args, *first[:2], *on("gpu", dout))
+    grads = hs.sparse_attention_backward(*args, *first[:2], *on("gpu", dout), precise_dkv=precise_dkv)
     for _ in range(2):
         again = hs.sparse_attention(*args, return_probs=True)
         assert all(same_bits(a, b) for a, b in zip(first, again))
-        regrads = hs.sparse_attention_backward(*args, *again[:2], *on("gpu", dout))
+        regrads = hs.sparse_attention_backward(*args, *again[:2], *on("gpu", dout), precise_dkv=precise_dkv)
         assert same_bits(grads[0], regrads[0]) and same_bits(grads[1], regrads[1])
     monkeypatch.setattr(kernels, "ROWS_BYTES", 1)
-    chunked = hs.sparse_attention_backward(*args, *first[:2], *on("gpu", dout))
+    chunked = hs.sparse_attention_backward(*args, *first[:2], *on("gpu", dout), precise_dkv=precise_dkv)
     assert same_bits(grads[0], chunked[0]) and same_bits(grads[1], chunked[1])
     out, lse, probs = kernels.sparse_attention(*args, D_V, 1 / 24, want_probs=False)
     assert probs is None and same_bits(out, first[0]) and same_bits(lse, first[1])

@@ -9,22 +9,31 @@ from .._backend import cupy_module
 from .module import get_kernel
 
 
-def key_segments(indices, dtype):
+NARROW_KEYS = 0xFFFF  # key spaces up to this size sort 16-bit keys (-1 becomes 0xFFFF and sorts last)
+
+
+def key_segments(indices, dtype, n_keys: int | None = None):
     """The valid entries (>= 0) of an index table grouped by key.
 
-    indices: CuPy int array [N, k]. Returns None when no entry is valid, else
-    ``(positions, starts, keys)``, C-contiguous arrays of ``dtype``:
-    ``positions`` are flat positions into ``indices`` (t * k + i) in ascending
-    (key, position) order; segment s is ``positions[starts[s]:starts[s + 1]]``,
-    whose entries all hold ``keys[s]``; keys ascend and ``starts`` has one
-    entry more than ``keys``.
+    indices: CuPy int array [N, k]; n_keys: a bound on its entries (they lie
+    in [-1, n_keys)), which lets tables of at most NARROW_KEYS keys sort
+    16-bit keys (half the radix passes of 32-bit ones). Returns None when no
+    entry is valid, else ``(positions, starts, keys)``, C-contiguous arrays of
+    ``dtype``: ``positions`` are flat positions into ``indices`` (t * k + i)
+    in ascending (key, position) order; segment s is
+    ``positions[starts[s]:starts[s + 1]]``, whose entries all hold
+    ``keys[s]``; keys ascend and ``starts`` has one entry more than ``keys``.
     """
     cp = cupy_module()
     flat = indices.reshape(-1)
     skipped = int(cp.count_nonzero(flat < 0))
     if skipped == flat.size:
         return None
-    positions = cp.argsort(flat)[skipped:]  # stable: the -1 entries, then each key's positions in ascending order
+    # stable sorts: each key's positions stay in ascending order
+    if n_keys is not None and n_keys <= NARROW_KEYS:
+        positions = cp.argsort(flat.astype(cp.uint16))[:flat.size - skipped]  # the -1 entries sort last
+    else:
+        positions = cp.argsort(flat)[skipped:]  # the -1 entries sort first
     keys = flat[positions]
     first = cp.flatnonzero(cp.concatenate([cp.ones(1, dtype=cp.bool_), keys[1:] != keys[:-1]]))
     starts = cp.concatenate([first, cp.asarray([keys.size])])
@@ -40,7 +49,7 @@ def scatter_add_rows(indices, rows, out) -> None:
     (t, i) order, identically on every run.
     """
     cp = cupy_module()
-    segments = key_segments(indices, cp.int64)
+    segments = key_segments(indices, cp.int64, out.shape[0])
     if segments is None:
         return
     positions, starts, keys = segments

@@ -139,7 +139,7 @@ def add_rows_by_key(indices, rows, dk, comp, cfg: Config) -> None:
     """dk[s] += every row of the chunk whose slot selected key s, in ascending
     (query, slot) order, compensated (comp: the running errors, float32 [Nk, D]
     like dk; the sum is dk - comp). indices int32 [C, kk]; rows float32 [C * kk, D]."""
-    segments = key_segments(indices, cupy_module().int32)
+    segments = key_segments(indices, cupy_module().int32, dk.shape[0])
     if segments is None:
         return
     pairs, starts, keys = segments

@@ -28,7 +28,8 @@ _PRECISION = """
     float64 and to float32 otherwise; every product and sum runs in that
     dtype (float32 accumulation for 16- and 32-bit inputs, blocked and
     compensated) in a fixed order, and results are rounded once to their
-    output dtype. lse (and probs) are float32 whatever the inputs.
+    output dtype (one exception: see the backward's ``precise_dkv``). lse
+    (and probs) are float32 whatever the inputs.
 """
 
 
@@ -121,7 +122,8 @@ def sparse_attention(q: Any, kv: Any, indices: Any, *, d_v: int = 512, scale: fl
 
 
 def sparse_attention_backward(q: Any, kv: Any, indices: Any, out: Any, lse: Any, dout: Any, *,
-                              d_v: int = 512, scale: float | None = None) -> tuple[Any, Any]:
+                              d_v: int = 512, scale: float | None = None,
+                              precise_dkv: bool = False) -> tuple[Any, Any]:
     """Gradients of ``sum(out * dout)`` with respect to q and kv.
 
     Parameters
@@ -131,6 +133,15 @@ def sparse_attention_backward(q: Any, kv: Any, indices: Any, out: Any, lse: Any,
     lse : [N, h]               the forward lse (finite on every row with a
                                valid slot); p is recomputed as exp(logit - lse).
     dout : [N, h, d_v]         gradient of the loss with respect to out.
+    precise_dkv : bool         keep every (query, slot) contribution to dkv in
+                               float32 until the per-key sum. By default the
+                               GPU kernels round each contribution once to
+                               bfloat16 when q and kv are bfloat16 (relative
+                               error at most 2^-9 per contribution, as a plain
+                               bfloat16 computation has; half the scratch
+                               traffic of the backward's slowest part). Other
+                               inputs and the CPU backend always keep float32
+                               or better.
 
     Returns
     -------
@@ -155,4 +166,8 @@ def sparse_attention_backward(q: Any, kv: Any, indices: Any, out: Any, lse: Any,
     _check_saved(arrays, d_v, xp)
     names = ("q", "kv", "indices", "out", "lse", "dout")
     q, kv, indices, out, lse, dout = (xp.ascontiguousarray(arrays[n]) for n in names)
-    return _impl(backend).sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale)
+    precise_dkv = _bool(precise_dkv, "precise_dkv")
+    if backend == CPU:
+        return _impl(backend).sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale)
+    return _impl(backend).sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale,
+                                                    precise_dkv=precise_dkv)

@@ -22,11 +22,13 @@ block of 64 slots):
   recomputed, ds = p (dp - delta) is rounded to 16-bit as an operand (and is
   exactly 0 on a row whose valid slots all hold one key, where p does not
   depend on the logits), dq accumulates in float32 registers. Each selected slot's dkv row,
-  scale ds^T q + p^T dout summed over the heads of a pass (up to 128, so
-  one row per slot for h <= 128), is written in float32 and the rows are
-  added into a float32 dkv key by key in ascending (query, slot, pass)
-  order (a stable sort of the index table; no atomics), then rounded once
-  to kv's dtype. Bitwise reproducible, and independent of the query
+  scale ds^T q + p^T dout summed in float32 over the heads of a pass (up to
+  128, so one row per slot for h <= 128), is written to a scratch buffer,
+  and the rows are added into a float32 dkv key by key in ascending (query,
+  slot, pass) order (a stable sort of the index table; no atomics), then
+  rounded once to kv's dtype. The rows are bfloat16 for bfloat16 inputs
+  (each rounded once, half the scratch traffic of float32; ``precise_dkv``
+  keeps them float32) and float32 for float16 inputs. Bitwise reproducible, and independent of the query
   chunking (``ROWS_BYTES``), since each key's running sum sees the same
   sequence of adds.
 """
@@ -51,7 +53,7 @@ SMEM_DQ = 1024 + 9 * _TILE + 8 * _TILE + 9 * _TILE + _TILE
 GROUPS_PER_PASS = 2  # head groups one dkv-rows pass sums (its K: up to 128 heads)
 SMEM_DKV_ROWS = {gp: 1024 + 13 * gp * _TILE for gp in (1, 2)}  # q and dout columns of a half, 2 blocks of images
 
-ROWS_BYTES = 4 << 30  # the backward's float32 dkv rows per query chunk
+ROWS_BYTES = 4 << 30  # bytes of the backward's dkv rows per query chunk
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
 
 
@@ -128,9 +130,9 @@ def _as_dtype(x, dtype):
     return narrow(widen(x, cupy_module().float32), dtype)
 
 
-def query_chunks(n: int, rows_per_query: int):
-    """Query ranges whose dkv rows ([rows_per_query, 576] float32 each) fit ROWS_BYTES."""
-    step = max(1, ROWS_BYTES // max(1, rows_per_query * D_QK * 4))
+def query_chunks(n: int, rows_per_query: int, row_bytes: int = D_QK * 4):
+    """Query ranges whose dkv rows (``rows_per_query`` of ``row_bytes`` each per query) fit ROWS_BYTES."""
+    step = max(1, ROWS_BYTES // max(1, rows_per_query * row_bytes))
     for t0 in range(0, n, step):
         yield t0, min(n, t0 + step)
 
@@ -148,18 +150,23 @@ def dq_and_images(q, kv, indices, out, dout, lse, dq, scale: float, defines: tup
     return images
 
 
-def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...]):
-    """sa_backward_dkv_rows1 / 2 on the chunk of ``dq_and_images``: float32
-    [C * passes * k, 576], row (t * passes + p) * k + i = the dkv contribution
-    of slot i of query t from the heads of pass p (128 p .. 128 p + 127)."""
+def _row_suffix(rows) -> str:
+    return "bf16" if rows.dtype == cupy_module().uint16 else "f32"
+
+
+def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...], row_dtype):
+    """sa_backward_dkv_rows{1,2}_{f32,bf16} on the chunk of ``dq_and_images``: [C * passes
+    * k, 576] of ``row_dtype`` (float32, or uint16 holding bfloat16 bits), row (t * passes
+    + p) * k + i = the dkv contribution of slot i of query t from the heads of pass p
+    (128 p .. 128 p + 127)."""
     cp = cupy_module()
     (n, h, _), k = q.shape, indices.shape[1]
     groups, passes = _groups(h), _passes(h)
-    rows = cp.empty((n * passes * k, D_QK), dtype=cp.float32)
+    rows = cp.empty((n * passes * k, D_QK), dtype=row_dtype)
     for p in range(passes):
         gp = min(GROUPS_PER_PASS, groups - GROUPS_PER_PASS * p)
         smem = SMEM_DKV_ROWS[gp]
-        _kernel(f"sa_backward_dkv_rows{gp}", smem, defines)(
+        _kernel(f"sa_backward_dkv_rows{gp}_{_row_suffix(rows)}", smem, defines)(
             (2 * n,), (THREADS,), (_bits(q), _bits(dout), indices, images, rows, np.int32(h), np.int32(k),
                                    np.float32(scale), np.int32(p)), shared_mem=smem)
     return rows
@@ -167,14 +174,22 @@ def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...]):
 
 def add_rows_by_key(indices, rows, passes: int, dkv, defines: tuple[str, ...]) -> None:
     """dkv[s] += every row of the chunk whose slot selected key s, in ascending
-    (query, slot, pass) order. indices int32 [C, k]; rows float32 [C * passes * k, 576]."""
-    segments = key_segments(indices, cupy_module().int32)
+    (query, slot, pass) order, in float32. indices int32 [C, k]; rows [C * passes * k, 576]
+    as ``dkv_rows`` makes them."""
+    segments = key_segments(indices, cupy_module().int32, dkv.shape[0])
     if segments is None:
         return
     pairs, starts, keys = segments
     k = indices.shape[1]
-    _kernel("sa_dkv_segments", 0, defines)((int(keys.size),), (D_QK // 4,),
-                                           (rows, pairs, starts, keys, np.int32(k), np.int32(passes), dkv))
+    _kernel(f"sa_dkv_segments_{_row_suffix(rows)}", 0, defines)(
+        (int(keys.size),), (D_QK // 4,), (rows, pairs, starts, keys, np.int32(k), np.int32(passes), dkv))
+
+
+def dkv_rows_dtype(q, precise_dkv: bool):
+    """The dtype of the dkv rows: bfloat16 bits (uint16) for bfloat16 inputs unless
+    ``precise_dkv``; float32 otherwise (float16's range could overflow a row)."""
+    cp = cupy_module()
+    return cp.uint16 if np.dtype(q.dtype) == bfloat16 and not precise_dkv else cp.float32
 
 
 def backward_operands(q, kv, out, lse, dout, d_v: int, scale: float):
@@ -186,22 +201,22 @@ def backward_operands(q, kv, out, lse, dout, d_v: int, scale: float):
         widen(lse, cupy_module().float32))
 
 
-def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float):
+def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float, precise_dkv: bool = False):
     operands = backward_operands(q, kv, out, lse, dout, d_v, scale)
     if operands is None:
         return gpu_fallback.sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale)
     defines, out16, dout16, lse32 = operands
     cp = cupy_module()
-    passes = _passes(q.shape[1])
+    passes, rows_as = _passes(q.shape[1]), dkv_rows_dtype(q, precise_dkv)
     dq = cp.empty(q.shape, dtype=cp.uint16)
     if POISON_OUTPUTS:
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
-    for t0, t1 in query_chunks(q.shape[0], passes * indices.shape[1]):
+    for t0, t1 in query_chunks(q.shape[0], passes * indices.shape[1], D_QK * np.dtype(rows_as).itemsize):
         chunk = slice(t0, t1)
         images = dq_and_images(q[chunk], kv, indices[chunk], out16[chunk], dout16[chunk], lse32[chunk], dq[chunk],
                                scale, defines)
-        rows = dkv_rows(q[chunk], dout16[chunk], indices[chunk], images, scale, defines)
+        rows = dkv_rows(q[chunk], dout16[chunk], indices[chunk], images, scale, defines, rows_as)
         del images
         add_rows_by_key(indices[chunk], rows, passes, dkv, defines)
     return dq.view(q.dtype), narrow(dkv, kv.dtype)
