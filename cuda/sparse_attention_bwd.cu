@@ -388,11 +388,12 @@ __device__ __forceinline__ float4 load4(const u16* row, int c) {
 // segment's order: pair e is pairs[e] = t * k + i < 2^31 (query t of the chunk,
 // slot i); its rows (t * passes + p) * k + i, p ascending, follow each other.
 // One CTA of D / 4 threads per segment (4 columns each), LOADS rows in flight
-// per thread, added in order into float32; no atomics.
+// per thread (16 bytes each for float32 rows, 8 for bfloat16), added in order
+// into float32; no atomics.
 template <typename Row>
 __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, const int* keys,
                                              int k, int passes, float* dkv) {
-    constexpr int LOADS = 4;
+    constexpr int LOADS = sizeof(Row) == 4 ? 4 : 8;
     const int s = blockIdx.x, c = threadIdx.x;
     float4* dst = reinterpret_cast<float4*>(dkv) + (size_t)keys[s] * (D / 4) + c;
     const int first = starts[s], terms = (starts[s + 1] - first) * passes;
