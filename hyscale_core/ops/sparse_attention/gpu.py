@@ -21,16 +21,17 @@ block of 64 slots):
 - backward: delta = rowsum(dout * out) in float32; per block p and dp are
   recomputed, ds = p (dp - delta) is rounded to 16-bit as an operand (and is
   exactly 0 on a row whose valid slots all hold one key, where p does not
-  depend on the logits), dq accumulates in float32 registers. Each selected slot's dkv row,
-  scale ds^T q + p^T dout summed in float32 over the heads of a pass (up to
-  128, so one row per slot for h <= 128), is written to a scratch buffer,
-  and the rows are added into a float32 dkv key by key in ascending (query,
-  slot, pass) order (a stable sort of the index table; no atomics), then
-  rounded once to kv's dtype. The rows are bfloat16 for bfloat16 inputs
-  (each rounded once, half the scratch traffic of float32; ``precise_dkv``
-  keeps them float32) and float32 for float16 inputs. Bitwise reproducible, and independent of the query
-  chunking (``ROWS_BYTES``), since each key's running sum sees the same
-  sequence of adds.
+  depend on the logits), dq accumulates in float32 registers. Each
+  selected slot's dkv row, scale ds^T q + p^T dout summed in float32 over
+  the heads of a pass (up to 128, so one row per slot for h <= 128), is
+  written to a scratch buffer, and the rows are added into a float32 dkv
+  key by key in ascending (query, slot, pass) order (a stable sort of the
+  index table; no atomics), then rounded once to kv's dtype. The rows are
+  bfloat16 for bfloat16 inputs (each rounded once: half the scratch traffic
+  of float32; ``precise_dkv`` keeps them float32) and float32 for float16
+  inputs. Bitwise reproducible, and independent of the query chunking
+  (``ROWS_BYTES``), since each key's running sum sees the same sequence of
+  adds.
 """
 from __future__ import annotations
 
