@@ -387,32 +387,41 @@ __device__ __forceinline__ float4 load4(const u16* row, int c) {
 // dkv[keys[s], :] += the rows of segment s's pairs, one after another in the
 // segment's order: pair e is pairs[e] = t * k + i < 2^31 (query t of the chunk,
 // slot i); its rows (t * passes + p) * k + i, p ascending, follow each other.
-// One CTA of D / 4 threads per segment (4 columns each), LOADS rows in flight
-// per thread (16 bytes each for float32 rows, 8 for bfloat16), added in order
-// into float32; no atomics.
+// One CTA of D / 4 threads per segment (4 columns each). The CTA turns D / 4
+// pairs at a time into row numbers in shared memory, then each thread keeps
+// LOADS rows in flight (16 bytes each for float32 rows, 8 for bfloat16) and
+// adds them in order into float32; no atomics.
 template <typename Row>
 __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, const int* keys,
                                              int k, int passes, float* dkv) {
-    constexpr int LOADS = sizeof(Row) == 4 ? 4 : 8;
+    constexpr int LOADS = sizeof(Row) == 4 ? 4 : 8, BATCH = D / 4;
+    __shared__ int row_of[BATCH];
     const int s = blockIdx.x, c = threadIdx.x;
     float4* dst = reinterpret_cast<float4*>(dkv) + (size_t)keys[s] * (D / 4) + c;
     const int first = starts[s], terms = (starts[s + 1] - first) * passes;
     float4 acc = *dst;
-    for (int u0 = 0; u0 < terms; u0 += LOADS) {
-        float4 v[LOADS];
-        #pragma unroll
-        for (int j = 0; j < LOADS; ++j) {
-            const int u = min(u0 + j, terms - 1);  // past the end: a repeat, loaded but not added
-            const int pair = pairs[first + u / passes], t = pair / k, i = pair - t * k;
-            v[j] = load4(rows + (((size_t)t * passes + u % passes) * k + i) * D, c);
+    for (int base = 0; base < terms; base += BATCH) {
+        const int n = min(BATCH, terms - base);
+        __syncthreads();  // the previous batch's row numbers are read
+        if (c < n) {
+            const int u = base + c, pair = pairs[first + u / passes];
+            const int t = passes == 1 ? 0 : pair / k;  // one pass: the row is the pair
+            row_of[c] = pair + t * (passes - 1) * k + (u % passes) * k;
         }
-        #pragma unroll
-        for (int j = 0; j < LOADS; ++j) {
-            if (u0 + j < terms) {
-                acc.x += v[j].x;
-                acc.y += v[j].y;
-                acc.z += v[j].z;
-                acc.w += v[j].w;
+        __syncthreads();
+        for (int j0 = 0; j0 < n; j0 += LOADS) {
+            float4 v[LOADS];
+            #pragma unroll
+            for (int j = 0; j < LOADS; ++j)  // past the batch: a repeat, loaded but not added
+                v[j] = load4(rows + (size_t)row_of[min(j0 + j, n - 1)] * D, c);
+            #pragma unroll
+            for (int j = 0; j < LOADS; ++j) {
+                if (j0 + j < n) {
+                    acc.x += v[j].x;
+                    acc.y += v[j].y;
+                    acc.z += v[j].z;
+                    acc.w += v[j].w;
+                }
             }
         }
     }
@@ -421,13 +430,13 @@ __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, 
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(D / 4)
+extern "C" __global__ void __launch_bounds__(D / 4, 8)
 sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, const int* keys, int k, int passes,
                     float* dkv) {
     dkv_segments(rows, pairs, starts, keys, k, passes, dkv);
 }
 
-extern "C" __global__ void __launch_bounds__(D / 4)
+extern "C" __global__ void __launch_bounds__(D / 4, 8)
 sa_dkv_segments_bf16(const u16* rows, const int* pairs, const int* starts, const int* keys, int k, int passes,
                      float* dkv) {
     dkv_segments(rows, pairs, starts, keys, k, passes, dkv);
