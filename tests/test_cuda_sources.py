@@ -1,5 +1,6 @@
 """Every cuda/*.cu compiles with nvcc -arch=sm_90 where nvcc exists; sources
-using wgmma (which only sm_90a has) compile for sm_90a."""
+using wgmma (which only sm_90a has) compile for sm_90a, without warnings or
+ptxas performance notes (such as wgmma serialized on a divergent path)."""
 from __future__ import annotations
 
 import shutil
@@ -17,8 +18,10 @@ def test_source_compiles(source, tmp_path):
     text = (folder / source).read_text()
     arch = "-gencode=arch=compute_90a,code=sm_90a" if "wgmma.cuh" in text else "-arch=sm_90"
     result = subprocess.run(
-        ["nvcc", arch, "-std=c++17", f"-I{folder}", "-c", str(folder / source), "-o", str(tmp_path / "out.o")],
+        ["nvcc", arch, "-std=c++17", "-Xptxas=-v", f"-I{folder}", "-c", str(folder / source), "-o",
+         str(tmp_path / "out.o")],
         capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr.lower(), result.stderr
+    assert "Potential Performance Loss" not in result.stderr, result.stderr  # e.g. serialized wgmma
