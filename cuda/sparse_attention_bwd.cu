@@ -6,12 +6,13 @@
 // 0 on rows whose valid slots all hold one key), adds ds kv into dq (kept in
 // registers), and writes the block's ds and p' = p / scale tiles (16-bit, as
 // their swizzled shared-memory image) to a scratch buffer.
-// sa_backward_dkv_rows1 / 2 read those images back and compute each slot's
-// dkv row, scale * (ds^T q + p'^T dout) summed over up to 128 heads (one or
-// two head groups: one row per slot for h <= 128), into a per-(query, head
-// pass, slot) float32 buffer; a CTA computes half of a row's columns.
-// sa_dkv_segments adds those rows into dkv key by key in ascending (query,
-// slot, pass) order: bitwise reproducible.
+// sa_backward_dkv_rows{1,2}_{f32,bf16} read those images back and compute
+// each slot's dkv row, scale * (ds^T q + p'^T dout) summed in float32 over up
+// to 128 heads (one or two head groups: one row per slot for h <= 128), into
+// a per-(query, head pass, slot) buffer of float32 or bfloat16 rows; a CTA
+// computes half of a row's columns. sa_dkv_segments_{f32,bf16} add those rows
+// into a float32 dkv key by key in ascending (query, slot, pass) order:
+// bitwise reproducible.
 #include "wgmma.cuh"
 #include "sparse_attention.cuh"
 
@@ -416,8 +417,8 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
 
 // Dynamic shared memory: 1024 + 13 * GP * 64 * 128 (q and dout columns of
 // the half, two blocks of GP images). Grid: 2 C CTAs over the chunk's queries,
-// CTA 2 t + half. rows: [C, passes, k, 576] float32 (or bfloat16) (passes = ceil(groups /
-// 2)); row (t, pass, slot) = scale * (ds^T q + p'^T dout) of that slot over
+// CTA 2 t + half. rows: [C, passes, k, 576] (passes = ceil(groups / 2));
+// row (t, pass, slot) = scale * (ds^T q + p'^T dout) of that slot over
 // the pass's heads 128 pass .. 128 pass + 64 GP - 1, written for valid slots
 // only; _bf16 entries write bfloat16 rows (u16 bits, each value rounded once
 // from float32). GP = 1 runs two CTAs per SM.
