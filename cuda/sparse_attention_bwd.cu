@@ -270,75 +270,31 @@ __device__ __forceinline__ void store_columns(u16* dst, const float (&acc)[4 * J
     }
 }
 
-// Issue (no wait) this warpgroup's products of one block: acc = ds^T q + p'^T
-// dout over the pass's KH heads for its 128 features of the half, and for
-// HALF 1 rope = ds^T q for features 512..575.
-template <int KH, int HALF>
-__device__ __forceinline__ void issue_row_products(float (&acc)[64], float (&rope)[32],
-                                                   const unsigned char* block_images, const unsigned char* q_tile,
-                                                   const unsigned char* do_tile, const Lane& ln) {
-    constexpr int R = KH * 128;  // one region of the q and dout tiles
-    wgmma_fence_operands(rope);
-    mma_begin(acc);
-    #pragma unroll
-    for (int kk = 0; kk < KH / 16; ++kk) {
-        const unsigned char* ds_img = block_images + (kk / 4) * IMAGE_BYTES + (kk % 4) * K_STEP_ROWS;
-        const u64 a_ds = wgmma_desc_mn(ds_img, REGION), a_p = wgmma_desc_mn(ds_img + P_BYTES, REGION);
-        const int n0 = ln.w * 2 * R + kk * K_STEP_ROWS;
-        wgmma_m64n128k16<F16, 1, 1>(acc, a_ds, wgmma_desc_mn(q_tile + n0, R), kk > 0);
-        wgmma_m64n128k16<F16, 1, 1>(acc, a_p, wgmma_desc_mn(do_tile + n0, R), 1);
-        if (HALF)
-            wgmma_m64n64k16<F16, 1, 1>(rope, a_ds, wgmma_desc_mn(q_tile + 4 * R + kk * K_STEP_ROWS, R), kk > 0);
-    }
-    wgmma_commit();
-}
-
-template <int N>
-__device__ __forceinline__ void finish_products(float (&acc)[64], float (&rope)[32]) {
-    wgmma_wait<N>();
-    wgmma_fence_operands(acc);
-    wgmma_fence_operands(rope);
-}
-
-// Store this thread's two rows (slots row0, row0 + 8 of block b; `valid` per row) of a block's products.
-template <int HALF, typename Row>
-__device__ __forceinline__ void store_row_products(Row* query_rows, const float (&acc)[64], const float (&rope)[32],
-                                                   const bool (&valid)[2], int b, float scale, const Lane& ln) {
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        Row* dst = query_rows + (size_t)(b * BK + ln.row0 + 8 * r) * D;
-        store_columns<16>(dst + 256 * HALF + ln.w * 128, acc, r, scale, valid[r], ln);
-        if (HALF) store_columns<8>(dst + DV, rope, r, scale, valid[r] && ln.w == 1, ln);
-    }
-}
-
 // One head pass of the dkv rows: GP head groups (GP * 64 heads, the K of the
 // products) and one column half of every row: HALF 0 features 0..255, HALF 1
 // features 256..575 (rope 512..575 computed by both warpgroups, so they run
 // one instruction stream; warpgroup 1 stores it). Warpgroup w owns features
-// 128 w .. 128 w + 127 of the half. Blocks of images are staged one ahead.
-// GP = 2 (one CTA per SM) keeps two accumulator sets, so a block's stores
-// overlap the next block's products; GP = 1 (two CTAs per SM, 128 registers)
-// stores each block after its products.
+// 128 w .. 128 w + 127 of the half.
 template <int GP, int HALF, typename Row>
 __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, const int* indices,
                                               const unsigned char* images, Row* rows, int h, int k, float scale,
                                               int pass, int t) {
     constexpr int KH = GP * BH;   // heads summed by this pass
     constexpr int R = KH * 128;   // one region of the q and dout tiles
+    constexpr int FIRST = 256 * HALF;
     __shared__ int idx[2][BK];
     unsigned char* q_tile = aligned_dynamic_smem();
     unsigned char* do_tile = q_tile + 5 * R;
     unsigned char* image_tiles = do_tile + 4 * R;
     const int groups = (h + BH - 1) / BH, passes = (groups + 1) / 2, nb = (k + BK - 1) / BK;
     const Lane ln = lane_geometry();
-    stage_head_columns<KH>(q_tile, q, D, t, 2 * pass * BH, h, 256 * HALF, HALF ? (D - 256) / 8 : 32);
-    stage_head_columns<KH>(do_tile, dout, DV, t, 2 * pass * BH, h, 256 * HALF, 32);
+    stage_head_columns<KH>(q_tile, q, D, t, 2 * pass * BH, h, FIRST, HALF ? (D - 256) / 8 : 32);
+    stage_head_columns<KH>(do_tile, dout, DV, t, 2 * pass * BH, h, FIRST, 32);
     cp_async_commit();
     const unsigned char* image = images + ((size_t)t * groups + 2 * pass) * nb * IMAGE_BYTES;
     Row* query_rows = rows + ((size_t)t * passes + pass) * k * D;
-    // Stage block b's images of the pass's groups (blocks sa_backward_dq
-    // skipped hold garbage, and are skipped here too).
+    // Stage block b's images of the pass's groups (blocks sa_backward_dq skipped hold garbage, and are
+    // skipped here too).
     auto stage = [&](int b, int s) {
         unsigned char* dst = image_tiles + (b & 1) * GP * IMAGE_BYTES;
         #pragma unroll
@@ -352,63 +308,43 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
     int s_cur = slot_key(indices, t, k, 0), s_next = slot_key(indices, t, k, 1);
     if (nb > 0) stage(0, s_cur);
     cp_async_commit();
-    // Wait for block b's images and stage block b + 1's (its buffer's last
-    // reader, block b - 1, has finished in every thread); `valid`: the slot
-    // states of this thread's rows of block b. Returns whether block b has a
-    // valid slot.
-    auto next_block = [&](int b, bool (&valid)[2]) {
+    float acc[64], rope[32];  // each block's products overwrite them (accumulate = 0 at the first k-step)
+    zero(acc);
+    zero(rope);
+    for (int b = 0; b < nb; ++b) {
         cp_async_wait<0>();
         fence_proxy_async();
-        const int any = __syncthreads_or(s_cur >= 0);
-        valid[0] = idx[b & 1][ln.row0] >= 0;  // the same for the lane pairs the bfloat16 stores swap in
-        valid[1] = idx[b & 1][ln.row0 + 8] >= 0;
+        const int any = __syncthreads_or(s_cur >= 0);  // block b landed; block b - 1 done everywhere
         if (b + 1 < nb) stage(b + 1, s_next);
         cp_async_commit();
         s_cur = s_next;
         s_next = slot_key(indices, t, k, b + 2);
-        return any;
-    };
-    auto issue = [&](int b, float (&acc)[64], float (&rope)[32]) {
-        issue_row_products<KH, HALF>(acc, rope, image_tiles + (b & 1) * GP * IMAGE_BYTES, q_tile, do_tile, ln);
-    };
-    float acc[64], rope[32];  // each block's products overwrite them (accumulate = 0 at the first k-step)
-    zero(acc);
-    zero(rope);
-    bool valid[2];
-    if constexpr (GP == 1) {
-        for (int b = 0; b < nb; ++b) {
-            if (!next_block(b, valid)) continue;
-            issue(b, acc, rope);
-            finish_products<0>(acc, rope);
-            store_row_products<HALF>(query_rows, acc, rope, valid, b, scale, ln);
+        if (!any) continue;
+        const unsigned char* block_images = image_tiles + (b & 1) * GP * IMAGE_BYTES;
+        mma_begin(acc);
+        wgmma_fence_operands(rope);
+        #pragma unroll
+        for (int kk = 0; kk < KH / 16; ++kk) {
+            const unsigned char* ds_img = block_images + (kk / 4) * IMAGE_BYTES + (kk % 4) * K_STEP_ROWS;
+            const u64 a_ds = wgmma_desc_mn(ds_img, REGION), a_p = wgmma_desc_mn(ds_img + P_BYTES, REGION);
+            const int n0 = ln.w * 2 * R + kk * K_STEP_ROWS;
+            wgmma_m64n128k16<F16, 1, 1>(acc, a_ds, wgmma_desc_mn(q_tile + n0, R), kk > 0);
+            wgmma_m64n128k16<F16, 1, 1>(acc, a_p, wgmma_desc_mn(do_tile + n0, R), 1);
+            if (HALF)
+                wgmma_m64n64k16<F16, 1, 1>(rope, a_ds, wgmma_desc_mn(q_tile + 4 * R + kk * K_STEP_ROWS, R),
+                                           kk > 0);
         }
-    } else if (nb > 0) {
-        // Every block is computed (a block without a valid slot multiplies
-        // stale images and stores nothing): no wgmma sits on a data-dependent
-        // branch, which would serialize them all.
-        float acc2[64], rope2[32];
-        zero(acc2);
-        zero(rope2);
-        bool valid2[2];
-        next_block(0, valid);
-        issue(0, acc, rope);
-        finish_products<0>(acc, rope);
-        for (int b = 1; b < nb; b += 2) {
-            next_block(b, valid2);
-            issue(b, acc2, rope2);
-            store_row_products<HALF>(query_rows, acc, rope, valid, b - 1, scale, ln);
-            finish_products<0>(acc2, rope2);
-            if (b + 1 < nb) {
-                next_block(b + 1, valid);
-                issue(b + 1, acc, rope);
-                store_row_products<HALF>(query_rows, acc2, rope2, valid2, b, scale, ln);
-                finish_products<0>(acc, rope);
-            }
+        mma_end();
+        wgmma_fence_operands(acc);
+        wgmma_fence_operands(rope);
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int slot = ln.row0 + 8 * r;
+            const bool valid = idx[b & 1][slot] >= 0;  // the same for the lane pairs the bfloat16 stores swap in
+            Row* dst = query_rows + (size_t)(b * BK + slot) * D;
+            store_columns<16>(dst + FIRST + ln.w * 128, acc, r, scale, valid, ln);
+            if (HALF) store_columns<8>(dst + DV, rope, r, scale, valid && ln.w == 1, ln);
         }
-        if ((nb - 1) & 1)
-            store_row_products<HALF>(query_rows, acc2, rope2, valid2, nb - 1, scale, ln);
-        else
-            store_row_products<HALF>(query_rows, acc, rope, valid, nb - 1, scale, ln);
     }
     cp_async_wait<0>();
 }
