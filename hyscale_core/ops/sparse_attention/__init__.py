@@ -137,7 +137,7 @@ def sparse_attention_backward(q: Any, kv: Any, indices: Any, out: Any, lse: Any,
                                float32 until the per-key sum. By default the
                                GPU kernels round each contribution once to
                                bfloat16 when q and kv are bfloat16 (relative
-                               error at most 2^-9 per contribution, as a plain
+                               error at most 2^-8 per contribution, as a plain
                                bfloat16 computation has; half the scratch
                                traffic of the backward's slowest part). Other
                                inputs and the CPU backend always keep float32
