@@ -81,7 +81,7 @@ def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
     from hyscale_core.ops.sparse_attention import gpu
 
     n, h, _ = q.shape
-    passes, rows_as = gpu._passes(h), gpu.dkv_rows_dtype(q, precise_dkv=False)
+    passes, rows_as = gpu.head_passes(h), gpu.dkv_rows_dtype(q, precise_dkv=False)
     defines, out16, dout16, lse32 = gpu.backward_operands(q, kv, out, lse, dout, D_V, scale)
     c = next(gpu.query_chunks(n, passes * idx.shape[1], D_QK * np.dtype(rows_as).itemsize))[1]
     part = slice(0, c)

@@ -84,7 +84,7 @@ def _groups(h: int) -> int:
     return -(-h // HEADS_PER_CTA)
 
 
-def _passes(h: int) -> int:
+def head_passes(h: int) -> int:
     """Head passes of the dkv rows: one row per slot and pass."""
     return -(-_groups(h) // GROUPS_PER_PASS)
 
@@ -162,7 +162,7 @@ def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...], r
     (128 p .. 128 p + 127)."""
     cp = cupy_module()
     (n, h, _), k = q.shape, indices.shape[1]
-    groups, passes = _groups(h), _passes(h)
+    groups, passes = _groups(h), head_passes(h)
     rows = cp.empty((n * passes * k, D_QK), dtype=row_dtype)
     for p in range(passes):
         gp = min(GROUPS_PER_PASS, groups - GROUPS_PER_PASS * p)
@@ -208,7 +208,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
         return gpu_fallback.sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale)
     defines, out16, dout16, lse32 = operands
     cp = cupy_module()
-    passes, rows_as = _passes(q.shape[1]), dkv_rows_dtype(q, precise_dkv)
+    passes, rows_as = head_passes(q.shape[1]), dkv_rows_dtype(q, precise_dkv)
     dq = cp.empty(q.shape, dtype=cp.uint16)
     if POISON_OUTPUTS:
         dq.fill(0xFFFF)
