@@ -15,7 +15,7 @@ import argparse
 import itertools
 
 from .common import copies_for, gpu_device, table, time_gpu, write_results
-from .topk_gpu import DATA, add_shape_arguments
+from .topk_gpu import DATA, add_shape_arguments, make_rows
 
 CONFIGS = [
     (1024, 131072, 2048, "float32"),
@@ -46,8 +46,6 @@ def variants(gpu, rows: int, n: int, k: int, itemsize: int, sms: int, chunk_coun
 
 def make_inputs(cp, rows: int, n: int, dtype: str, data: str):
     import torch
-
-    from .topk_gpu import make_rows
 
     itemsize = 4 if dtype == "float32" else 2
     return [make_rows(cp, torch, data, (rows, n), dtype, seed)[0] for seed in range(copies_for(rows * n * itemsize))]

@@ -27,7 +27,8 @@
 // take another tile (more than cap - KT entries) it is cut back to the top k
 // (by key, then lower index) and the threshold rises to the k-th key. Tiles
 // go in ascending key order, so a later key equal to the threshold ranks
-// below every kept one: the strict test is exact. The end of the stream cuts to k and sorts.
+// below every kept one: the strict test is exact. The end of the stream
+// cuts to k and sorts.
 // Scores (indexer_scores_*) run the same tile code and write the table, so
 // both give bitwise-identical scores.
 #include "select.cuh"

@@ -223,10 +223,11 @@ __device__ void block_bitonic_sort(K* keys, u32* idx, int n) {
 // low 8 * key_passes bits of key - key_base over the low 8 * idx_passes bits
 // of ~(idx - idx_base): key descending then index ascending, or
 // (key_passes = 0) index ascending. The caller picks bases and pass counts
-// that cover the pairs' spread. LSD radix sort with 8-bit digits: each pass ranks every pair
-// stably inside its warp (ballots on the digit's bits), scans the per-warp
-// digit counts (`counts`: blockDim.x / 32 * 256 u16 of shared memory) and
-// scatters from one pair of arrays (key, idx) to the other (key2, idx2).
+// that cover the pairs' spread. LSD radix sort with 8-bit digits: each pass
+// ranks every pair stably inside its warp (ballots on the digit's bits),
+// scans the per-warp digit counts (`counts`: blockDim.x / 32 * 256 u16 of
+// shared memory) and scatters from one pair of arrays (key, idx) to the
+// other (key2, idx2).
 // Thread t of warp w ranks positions w*32*E + e*32 + lane. Returns whether
 // the result is in key2/idx2. All threads call this.
 template <int E, typename K>

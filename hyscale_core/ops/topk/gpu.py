@@ -137,6 +137,7 @@ def _scratch(cp, n_rows: int, ws_bytes: int, device: int):
 ARGS_DTYPE = np.dtype([(name, np.uint32) for name in
                        ("rows", "n", "k", "chunks", "cap", "sample_m", "sample_r", "k_pad", "by_key")])
 
+
 @functools.lru_cache(maxsize=None)
 def _by_value_form():
     """CuPy's by-value argument type, wrapped once per shape so that launches
