@@ -16,12 +16,14 @@ struct FwdShared {
     float red[2][BH];  // per-warpgroup row maxima, then row sums
 };
 
-// Walk the key blocks of query t, gathering block b + 1 while `body(b, tile,
-// idx)` works on block b. The body may use any barrier and must have waited
-// for its own reads of the tile (wgmma) before it returns: block b + 1 then
-// reuses block b - 1's buffers once every thread is past the next block's
-// barrier. With skip_empty, blocks without a valid slot are passed over.
-// All threads must call this.
+// Walk the key blocks of query t: `body(b, tile, idx, gather_next)` works on
+// block b and must call gather_next() once, which stages block b + 1 into the
+// other buffer (so the body can first issue its products, then the gather).
+// The body may use any barrier and must have waited for its own reads of the
+// tile (wgmma) before it returns: block b + 1 then reuses block b - 1's
+// buffers once every thread is past the next block's barrier. With
+// skip_empty, blocks without a valid slot are passed over. All threads must
+// call this.
 template <typename Body>
 __device__ __forceinline__ void for_each_key_block(unsigned char* kv_tiles, FwdShared& sh, const u16* kv,
                                                    const int* indices, int t, int k, bool skip_empty, Body&& body) {
@@ -34,27 +36,36 @@ __device__ __forceinline__ void for_each_key_block(unsigned char* kv_tiles, FwdS
         cp_async_wait<0>();
         fence_proxy_async();
         const int any = __syncthreads_or(s_cur >= 0);  // block b landed; block b - 1 done everywhere
-        if (b + 1 < nb) {
-            stage_key_row<0, D / 32>(kv_tiles + ((b + 1) & 1) * KV_BYTES, kv, s_next);
-            record_key(sh.idx[(b + 1) & 1], s_next);
-        }
-        cp_async_commit();
+        const int s_gather = s_next;
+        auto gather_next = [&]() {
+            if (b + 1 < nb) {
+                stage_key_row<0, D / 32>(kv_tiles + ((b + 1) & 1) * KV_BYTES, kv, s_gather);
+                record_key(sh.idx[(b + 1) & 1], s_gather);
+            }
+            cp_async_commit();
+        };
         s_cur = s_next;
         s_next = slot_key(indices, t, k, b + 2);
-        if (!any && skip_empty) continue;
-        body(b, kv_tiles + (b & 1) * KV_BYTES, sh.idx[b & 1]);
+        if (!any && skip_empty) {
+            gather_next();
+            continue;
+        }
+        body(b, kv_tiles + (b & 1) * KV_BYTES, sh.idx[b & 1], gather_next);
     }
     cp_async_wait<0>();
 }
 
 // Logits of the block's slots 32w .. 32w+31 in base-2 units (scale * log2 e
-// folded in), -inf at skipped slots.
+// folded in), -inf at skipped slots; `between()` runs while the products do.
+template <typename Between>
 __device__ __forceinline__ void block_logits(float (&s)[16], const unsigned char* q_tile, const unsigned char* tile,
-                                             const int* idx, const Lane& ln, float sl2) {
+                                             const int* idx, const Lane& ln, float sl2, Between&& between) {
     zero(s);
     mma_begin(s);
     issue_rows32<0, D / 16>(s, q_tile, tile + ln.w * 32 * 128);
-    mma_end();
+    wgmma_commit();
+    between();
+    wgmma_wait_all();
     wgmma_fence_operands(s);
     #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -163,9 +174,10 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     cp_async_commit();
     float o[128], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
     zero(o);
-    for_each_key_block(kv_tiles, sh, kv, indices, t, k, true, [&](int, const unsigned char* tile, const int* idx) {
+    for_each_key_block(kv_tiles, sh, kv, indices, t, k, true, [&](int, const unsigned char* tile, const int* idx,
+                                                                  auto&& gather_next) {
         float s[16];
-        block_logits(s, q_tile, tile, idx, ln, sl2);
+        block_logits(s, q_tile, tile, idx, ln, sl2, gather_next);
         softmax_step(s, o, m, l, sh, p_tile, ln);
         fence_proxy_async();
         __syncthreads();
@@ -197,9 +209,10 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     if (probs == nullptr) return;
     float* probs_row = probs + ((size_t)t * groups + g) * k;
     float* col = reinterpret_cast<float*>(p_tile);  // [8 warps][32 columns]; the p tile is unused here
-    for_each_key_block(kv_tiles, sh, kv, indices, t, k, false, [&](int b, const unsigned char* tile, const int* idx) {
+    for_each_key_block(kv_tiles, sh, kv, indices, t, k, false, [&](int b, const unsigned char* tile, const int* idx,
+                                                                   auto&& gather_next) {
         float s[16];
-        block_logits(s, q_tile, tile, idx, ln, sl2);
+        block_logits(s, q_tile, tile, idx, ln, sl2, gather_next);
         block_probs(s, lse2, live, col, probs_row, b, k, ln);
     });
 }

@@ -339,28 +339,57 @@ def test_key_major_table_groups_pairs_in_ascending_order():
     assert empty.keys.size == 0 and empty.pairs.size == 0 and list(empty.starts) == [0]
 
 
+def _stable_key_table(indices):
+    """key_segments' result made by NumPy's stable sort."""
+    flat = indices.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    order = order[flat[order] >= 0]
+    keys, first = np.unique(flat[order], return_index=True)
+    return order, np.append(first, order.size), keys
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_keys", [70, 0xFFFF, 70000])
-def test_gpu_key_segments_match_a_stable_sort(n_keys):
-    """16-bit sort keys (n_keys <= NARROW_KEYS) and 32-bit ones give the same
-    table: each key's positions ascending, -1 entries left out."""
+@pytest.mark.parametrize("n_keys", [1, 70, 256, 257, 0xFFFF, 70000])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (50, 300), (7, 4096 + 63)])
+def test_gpu_key_segments_match_a_stable_sort(n_keys, shape):
+    """Every number of radix passes (1 to 3 digits, and 4 without a bound)
+    gives NumPy's stable sort: each key's positions ascending, -1 entries left
+    out; tiles of the sort split ties (a run of one key spans tiles)."""
     import cupy
 
     from hyscale_core.gpu.segments import key_segments
 
     rng = np.random.default_rng(24)
-    indices = rng.integers(-1, n_keys, size=(50, 300)).astype(np.int32)
-    indices[3, :5] = n_keys - 1
-    flat = indices.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    order = order[flat[order] >= 0]
-    keys, first = np.unique(flat[order], return_index=True)
-    for bound in (n_keys, None):
-        positions, starts, got = (to_host(x) for x in key_segments(cupy.asarray(indices), cupy.int32, bound))
-        np.testing.assert_array_equal(positions, order)
-        np.testing.assert_array_equal(got, keys)
-        np.testing.assert_array_equal(starts, np.append(first, order.size))
+    indices = rng.integers(-1, n_keys, size=shape).astype(np.int32)
+    indices.reshape(-1)[:shape[1] // 2 + 1] = n_keys - 1
+    if shape[0] > 1:
+        indices[1] = indices[0]
+    for table in (indices, indices.astype(np.int64)):
+        want = _stable_key_table(table)
+        for bound in (n_keys, None):
+            got = key_segments(cupy.asarray(table), cupy.int32, bound)
+            for name, x, y in zip(("positions", "starts", "keys"), got, want):
+                assert x.dtype == cupy.int32 and x.flags.c_contiguous, name
+                np.testing.assert_array_equal(to_host(x), y, err_msg=name)
     assert key_segments(cupy.full((2, 3), -1, cupy.int32), cupy.int32, n_keys) is None
+    assert key_segments(cupy.zeros((0, 3), cupy.int32), cupy.int32, n_keys) is None
+
+
+@pytest.mark.gpu
+def test_gpu_key_segments_one_key_everywhere_and_int64_positions():
+    """A table of one repeated key (every entry a tie, across many tiles) keeps
+    position order; dtype=int64 returns the table in int64."""
+    import cupy
+
+    from hyscale_core.gpu.segments import key_segments
+
+    indices = np.full((9, 5000), 3, np.int32)
+    indices[::2, ::3] = -1
+    want = _stable_key_table(indices)
+    got = key_segments(cupy.asarray(indices), cupy.int64, 4)
+    for name, x, y in zip(("positions", "starts", "keys"), got, want):
+        assert x.dtype == cupy.int64, name
+        np.testing.assert_array_equal(to_host(x), y, err_msg=name)
 
 
 def _bad(**changes):

@@ -9,36 +9,58 @@ from .._backend import cupy_module
 from .module import get_kernel
 
 
-NARROW_KEYS = 0xFFFF  # key spaces up to this size sort 16-bit keys (-1 becomes 0xFFFF and sorts last)
+SORT_TILE = 16 * 256  # entries per CTA of cuda/key_sort.cu
+DIGIT_BITS = 8
+
+
+def _sort_pass(keys, values, shift: int):
+    """One stable pass of cuda/key_sort.cu over int32 ``keys`` (entries < 0
+    dropped) by the digit at ``shift``; ``values`` None takes positions.
+    Returns ``(keys, values)`` of the kept entries, or None when none is kept."""
+    cp = cupy_module()
+    n = keys.size
+    n_tiles = (n + SORT_TILE - 1) // SORT_TILE
+    counts = cp.empty(256 * n_tiles, dtype=cp.int32)
+    get_kernel("key_sort", "ks_digit_counts")((n_tiles,), (256,), (keys, np.int64(n), np.int32(shift),
+                                                                   np.int32(n_tiles), counts))
+    ends = cp.cumsum(counts, dtype=cp.int32)
+    kept = int(ends[-1])
+    if kept == 0:
+        return None
+    out_keys, out_values = cp.empty(kept, dtype=cp.int32), cp.empty(kept, dtype=cp.int32)
+    get_kernel("key_sort", "ks_scatter")((n_tiles,), (256,), (keys, values, np.int64(n), np.int32(shift),
+                                                              np.int32(n_tiles), ends - counts, out_keys, out_values))
+    return out_keys, out_values
 
 
 def key_segments(indices, dtype, n_keys: int | None = None):
     """The valid entries (>= 0) of an index table grouped by key.
 
-    indices: CuPy int array [N, k]; n_keys: a bound on its entries (they lie
-    in [-1, n_keys)), which lets tables of at most NARROW_KEYS keys sort
-    16-bit keys (half the radix passes of 32-bit ones). Returns None when no
-    entry is valid, else ``(positions, starts, keys)``, C-contiguous arrays of
-    ``dtype``: ``positions`` are flat positions into ``indices`` (t * k + i)
+    indices: CuPy int array [N, k] with N * k < 2**31; n_keys: a bound on its
+    entries (they lie in [-1, n_keys)); it sets the number of 8-bit radix
+    passes (one per digit of n_keys - 1; four without it). Returns None when
+    no entry is valid, else ``(positions, starts, keys)``, C-contiguous arrays
+    of ``dtype``: ``positions`` are flat positions into ``indices`` (t * k + i)
     in ascending (key, position) order; segment s is
     ``positions[starts[s]:starts[s + 1]]``, whose entries all hold
     ``keys[s]``; keys ascend and ``starts`` has one entry more than ``keys``.
+    Deterministic: a stable radix sort (cuda/key_sort.cu), no atomics on order.
     """
     cp = cupy_module()
-    flat = indices.reshape(-1)
-    skipped = int(cp.count_nonzero(flat < 0))
-    if skipped == flat.size:
-        return None
-    # stable sorts: each key's positions stay in ascending order
-    if n_keys is not None and n_keys <= NARROW_KEYS:
-        positions = cp.argsort(flat.astype(cp.uint16))[:flat.size - skipped]  # the -1 entries sort last
-    else:
-        positions = cp.argsort(flat)[skipped:]  # the -1 entries sort first
-    keys = flat[positions]
+    if indices.size >= 2 ** 31:
+        raise ValueError(f"key_segments takes tables of fewer than 2**31 entries, got {indices.size}")
+    key_bits = 31 if n_keys is None else max(1, int(n_keys - 1).bit_length())
+    keys, positions = cp.ascontiguousarray(indices.reshape(-1), dtype=cp.int32), None
+    for shift in range(0, key_bits, DIGIT_BITS):
+        if keys.size == 0:
+            return None
+        sorted_pair = _sort_pass(keys, positions, shift)
+        if sorted_pair is None:
+            return None
+        keys, positions = sorted_pair
     first = cp.flatnonzero(cp.concatenate([cp.ones(1, dtype=cp.bool_), keys[1:] != keys[:-1]]))
     starts = cp.concatenate([first, cp.asarray([keys.size])])
-    return (cp.ascontiguousarray(positions.astype(dtype)), starts.astype(dtype),
-            cp.ascontiguousarray(keys[first].astype(dtype)))
+    return positions.astype(dtype, copy=False), starts.astype(dtype), keys[first].astype(dtype)
 
 
 def scatter_add_rows(indices, rows, out) -> None:
