@@ -16,6 +16,23 @@ struct FwdShared {
     float red[2][BH];  // per-warpgroup row maxima, then row sums
 };
 
+// Stages the next key block into its buffer (nothing past the last block)
+// and commits the thread's cp.async group either way.
+struct NextBlockGather {
+    unsigned char* tile;
+    int* idx;
+    const u16* kv;
+    int s;
+    bool exists;
+    __device__ __forceinline__ void operator()() const {
+        if (exists) {
+            stage_key_row<0, D / 32>(tile, kv, s);
+            record_key(idx, s);
+        }
+        cp_async_commit();
+    }
+};
+
 // Walk the key blocks of query t: `body(b, tile, idx, gather_next)` works on
 // block b and must call gather_next() once, which stages block b + 1 into the
 // other buffer (so the body can first issue its products, then the gather).
@@ -36,14 +53,8 @@ __device__ __forceinline__ void for_each_key_block(unsigned char* kv_tiles, FwdS
         cp_async_wait<0>();
         fence_proxy_async();
         const int any = __syncthreads_or(s_cur >= 0);  // block b landed; block b - 1 done everywhere
-        const int s_gather = s_next;
-        auto gather_next = [&]() {
-            if (b + 1 < nb) {
-                stage_key_row<0, D / 32>(kv_tiles + ((b + 1) & 1) * KV_BYTES, kv, s_gather);
-                record_key(sh.idx[(b + 1) & 1], s_gather);
-            }
-            cp_async_commit();
-        };
+        const NextBlockGather gather_next{kv_tiles + ((b + 1) & 1) * KV_BYTES, sh.idx[(b + 1) & 1], kv, s_next,
+                                          b + 1 < nb};
         s_cur = s_next;
         s_next = slot_key(indices, t, k, b + 2);
         if (!any && skip_empty) {
@@ -56,15 +67,15 @@ __device__ __forceinline__ void for_each_key_block(unsigned char* kv_tiles, FwdS
 }
 
 // Logits of the block's slots 32w .. 32w+31 in base-2 units (scale * log2 e
-// folded in), -inf at skipped slots; `between()` runs while the products do.
-template <typename Between>
+// folded in), -inf at skipped slots; the next block's gather is issued while the products run.
 __device__ __forceinline__ void block_logits(float (&s)[16], const unsigned char* q_tile, const unsigned char* tile,
-                                             const int* idx, const Lane& ln, float sl2, Between&& between) {
+                                             const int* idx, const Lane& ln, float sl2,
+                                             const NextBlockGather& gather_next) {
     zero(s);
     mma_begin(s);
     issue_rows32<0, D / 16>(s, q_tile, tile + ln.w * 32 * 128);
     wgmma_commit();
-    between();
+    gather_next();
     wgmma_wait_all();
     wgmma_fence_operands(s);
     #pragma unroll
@@ -175,7 +186,7 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     float o[128], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
     zero(o);
     for_each_key_block(kv_tiles, sh, kv, indices, t, k, true, [&](int, const unsigned char* tile, const int* idx,
-                                                                  auto&& gather_next) {
+                                                                  const NextBlockGather& gather_next) {
         float s[16];
         block_logits(s, q_tile, tile, idx, ln, sl2, gather_next);
         softmax_step(s, o, m, l, sh, p_tile, ln);
@@ -210,7 +221,7 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     float* probs_row = probs + ((size_t)t * groups + g) * k;
     float* col = reinterpret_cast<float*>(p_tile);  // [8 warps][32 columns]; the p tile is unused here
     for_each_key_block(kv_tiles, sh, kv, indices, t, k, false, [&](int b, const unsigned char* tile, const int* idx,
-                                                                   auto&& gather_next) {
+                                                                   const NextBlockGather& gather_next) {
         float s[16];
         block_logits(s, q_tile, tile, idx, ln, sl2, gather_next);
         block_probs(s, lse2, live, col, probs_row, b, k, ln);
