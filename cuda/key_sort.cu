@@ -4,12 +4,14 @@
 // A pass over n entries cuts them into tiles of TILE; per pass:
 //   ks_digit_counts: counts[d * n_tiles + tile] = entries of the tile whose
 //     digit is d (entries < 0 are left out: the first pass drops the -1 slots);
-//   the host's exclusive scan of counts, in that digit-major order, gives each
-//     (digit, tile) its first output place;
-//   ks_scatter: each entry goes to its place plus the number of entries of the
-//     same digit before it in the tile, so equal digits keep their order and
-//     the result of every pass is stable. values == nullptr (the first pass)
-//     takes an entry's position in the table as its value.
+//   ks_digit_offsets: each digit's counts scanned over the tiles (exclusive,
+//     in place) and the digit's total;
+//   ks_scatter: an entry's place is the entries of smaller digits, plus those
+//     of its digit in earlier tiles, plus those of its digit before it in its
+//     tile, so equal digits keep their order and every pass is stable.
+//     values == nullptr (the first pass) takes an entry's position in the
+//     table as its value. The kept entries fill the front of the outputs; the
+//     caller fills keys_out with -1 first, so the next pass skips the rest.
 // No float and no atomic decides an order: the output is the same on every run.
 #include "select.cuh"
 
@@ -45,15 +47,34 @@ ks_digit_counts(const int* keys, long long n, int shift, int n_tiles, int* count
     counts[(long long)threadIdx.x * n_tiles + blockIdx.x] = hist[threadIdx.x];
 }
 
-// offsets: the exclusive scan of ks_digit_counts' counts. Writes every entry
-// >= 0 of keys_in, with its value, to keys_out / values_out at its place.
+// Grid: 256 CTAs (one per digit) of THREADS threads. counts as ks_digit_counts
+// made them become exclusive sums over the tiles; totals[d] = digit d's entries.
+extern "C" __global__ void __launch_bounds__(THREADS) ks_digit_offsets(int* counts, int n_tiles, int* totals) {
+    __shared__ u32 scratch[MAX_WARPS + 1];
+    int* row = counts + (long long)blockIdx.x * n_tiles;
+    u32 carried = 0;
+    for (int first = 0; first < n_tiles; first += THREADS) {
+        const int i = first + threadIdx.x;
+        u32 total;
+        const u32 before = block_exclusive_sum(i < n_tiles ? (u32)row[i] : 0u, scratch, &total);
+        if (i < n_tiles) row[i] = (int)(carried + before);
+        carried += total;
+    }
+    if (threadIdx.x == 0) totals[blockIdx.x] = (int)carried;
+}
+
+// offsets and totals: ks_digit_offsets' results. Writes every entry >= 0 of
+// keys_in, with its value, to keys_out / values_out at its place.
 extern "C" __global__ void __launch_bounds__(THREADS)
 ks_scatter(const int* keys_in, const int* values_in, long long n, int shift, int n_tiles, const int* offsets,
-           int* keys_out, int* values_out) {
+           const int* totals, int* keys_out, int* values_out) {
     __shared__ int next_place[THREADS];         // per digit: where the tile's next entry of it goes
     __shared__ int warp_counts[WARPS][THREADS];  // per round: each warp's entries of each digit
+    __shared__ u32 scratch[MAX_WARPS + 1];
     const int lane = lane_id(), warp = warp_id(), d = threadIdx.x;
-    next_place[d] = offsets[(long long)d * n_tiles + blockIdx.x];
+    u32 all;
+    const u32 smaller_digits = block_exclusive_sum((u32)totals[d], scratch, &all);
+    next_place[d] = (int)smaller_digits + offsets[(long long)d * n_tiles + blockIdx.x];
     for (int w = 0; w < WARPS; ++w) warp_counts[w][d] = 0;
     __syncthreads();
     const long long base = (long long)blockIdx.x * TILE;

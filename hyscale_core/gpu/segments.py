@@ -13,24 +13,22 @@ SORT_TILE = 16 * 256  # entries per CTA of cuda/key_sort.cu
 DIGIT_BITS = 8
 
 
-def _sort_pass(keys, values, shift: int):
-    """One stable pass of cuda/key_sort.cu over int32 ``keys`` (entries < 0
-    dropped) by the digit at ``shift``; ``values`` None takes positions.
-    Returns ``(keys, values)`` of the kept entries, or None when none is kept."""
+def _sort_pass(keys, values, shift: int, keys_out, values_out):
+    """One stable pass of cuda/key_sort.cu over int32 ``keys`` by the digit at
+    ``shift``: the entries >= 0 with their values (positions where ``values``
+    is None) fill the front of ``keys_out`` / ``values_out``, whose other keys
+    must be -1. Returns the [256] int32 device array of the digits' totals."""
     cp = cupy_module()
     n = keys.size
     n_tiles = (n + SORT_TILE - 1) // SORT_TILE
     counts = cp.empty(256 * n_tiles, dtype=cp.int32)
-    get_kernel("key_sort", "ks_digit_counts")((n_tiles,), (256,), (keys, np.int64(n), np.int32(shift),
-                                                                   np.int32(n_tiles), counts))
-    ends = cp.cumsum(counts, dtype=cp.int32)
-    kept = int(ends[-1])
-    if kept == 0:
-        return None
-    out_keys, out_values = cp.empty(kept, dtype=cp.int32), cp.empty(kept, dtype=cp.int32)
-    get_kernel("key_sort", "ks_scatter")((n_tiles,), (256,), (keys, values, np.int64(n), np.int32(shift),
-                                                              np.int32(n_tiles), ends - counts, out_keys, out_values))
-    return out_keys, out_values
+    totals = cp.empty(256, dtype=cp.int32)
+    tiles = (np.int64(n), np.int32(shift), np.int32(n_tiles))
+    get_kernel("key_sort", "ks_digit_counts")((n_tiles,), (256,), (keys,) + tiles + (counts,))
+    get_kernel("key_sort", "ks_digit_offsets")((256,), (256,), (counts, np.int32(n_tiles), totals))
+    get_kernel("key_sort", "ks_scatter")((n_tiles,), (256,), (keys, values) + tiles + (counts, totals, keys_out,
+                                                                                        values_out))
+    return totals
 
 
 def key_segments(indices, dtype, n_keys: int | None = None):
@@ -49,15 +47,22 @@ def key_segments(indices, dtype, n_keys: int | None = None):
     cp = cupy_module()
     if indices.size >= 2 ** 31:
         raise ValueError(f"key_segments takes tables of fewer than 2**31 entries, got {indices.size}")
+    if indices.size == 0:
+        return None
     key_bits = 31 if n_keys is None else max(1, int(n_keys - 1).bit_length())
     keys, positions = cp.ascontiguousarray(indices.reshape(-1), dtype=cp.int32), None
-    for shift in range(0, key_bits, DIGIT_BITS):
-        if keys.size == 0:
-            return None
-        sorted_pair = _sort_pass(keys, positions, shift)
-        if sorted_pair is None:
-            return None
-        keys, positions = sorted_pair
+    # two buffers in turn; their keys past the kept entries stay -1
+    key_buffers = [cp.full(keys.size, -1, dtype=cp.int32) for _ in range(2)]
+    value_buffers = [cp.empty(keys.size, dtype=cp.int32) for _ in range(2)]
+    for p, shift in enumerate(range(0, key_bits, DIGIT_BITS)):
+        totals = _sort_pass(keys, positions, shift, key_buffers[p % 2], value_buffers[p % 2])
+        keys, positions = key_buffers[p % 2], value_buffers[p % 2]
+        if p == 0:
+            kept_per_digit = totals
+    kept = int(kept_per_digit.sum())
+    if kept == 0:
+        return None
+    keys, positions = keys[:kept], positions[:kept]
     first = cp.flatnonzero(cp.concatenate([cp.ones(1, dtype=cp.bool_), keys[1:] != keys[:-1]]))
     starts = cp.concatenate([first, cp.asarray([keys.size])])
     return positions.astype(dtype, copy=False), starts.astype(dtype), keys[first].astype(dtype)
