@@ -1,6 +1,7 @@
-"""Every cuda/*.cu compiles with nvcc -arch=sm_90 where nvcc exists; sources
-using wgmma (which only sm_90a has) compile for sm_90a, without warnings or
-ptxas performance notes (such as wgmma serialized on a divergent path)."""
+"""Every cuda/*.cu compiles with nvcc -arch=sm_90 where nvcc exists (sources
+using wgmma, which only sm_90a has, for sm_90a), without warnings or ptxas
+performance notes (such as wgmma serialized on a divergent path); and with
+NVRTC, as the runtime compiles them, where libnvrtc exists."""
 from __future__ import annotations
 
 import shutil
@@ -25,3 +26,55 @@ def test_source_compiles(source, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr.lower(), result.stderr
     assert "Potential Performance Loss" not in result.stderr, result.stderr  # e.g. serialized wgmma
+
+
+def _nvrtc_library():
+    """libnvrtc, as cupy's NVIDIA wheels or a CUDA toolkit ship it, or None."""
+    import ctypes
+    import ctypes.util
+    import os
+    import site
+    from pathlib import Path
+
+    candidates = [ctypes.util.find_library("nvrtc")]
+    roots = site.getsitepackages() + [site.getusersitepackages()]
+    for root in roots:
+        candidates += sorted(str(p) for p in Path(root).glob("nvidia/*/lib/libnvrtc.so*"))
+    for home in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home:
+            candidates += sorted(str(p) for p in Path(home).glob("lib64/libnvrtc.so*"))
+    for name in filter(None, candidates):
+        try:
+            for builtins in sorted(Path(name).parent.glob("libnvrtc-builtins.so*")):  # NVRTC opens it by name
+                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+_NVRTC = _nvrtc_library()
+
+
+@pytest.mark.skipif(_NVRTC is None, reason="libnvrtc not found")
+@pytest.mark.parametrize("source", [p.name for p in source_files()])
+def test_source_compiles_with_nvrtc(source):
+    """The runtime compiles every source with NVRTC (hyscale_core/gpu/module.py's
+    options), whose JIT mode rejects some code nvcc takes (a generic lambda is
+    a host function there)."""
+    import ctypes
+
+    folder = cuda_source_dir()
+    program = ctypes.c_void_p()
+    assert _NVRTC.nvrtcCreateProgram(ctypes.byref(program), (folder / source).read_bytes(), source.encode(), 0,
+                                     None, None) == 0
+    options = [b"-std=c++17", b"-I" + str(folder).encode(), b"--gpu-architecture=sm_90a"]
+    try:
+        status = _NVRTC.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        _NVRTC.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        _NVRTC.nvrtcGetProgramLog(program, log)
+    finally:
+        _NVRTC.nvrtcDestroyProgram(ctypes.byref(program))
+    assert status == 0, log.value.decode(errors="replace")
