@@ -280,16 +280,16 @@ __device__ __forceinline__ void kahan_add(float& sum, float& comp, float x) {
     sum = t;
 }
 
-// dk[keys[s], :] += the rows of segment s's pairs, one after another in the
-// segment's order, compensated: comp [Nk, D] carries each key's running
-// error across chunks (the sum is dk - comp). Pair e is pairs[e] = t * kk + i
+// dk[s, :] += the rows of key s's pairs, pairs[starts[s]] .. pairs[starts[s +
+// 1] - 1] one after another, compensated: comp [Nk, D] carries each key's
+// running error across chunks (the sum is dk - comp). Pair e is pairs[e] = t * kk + i
 // (query t of the chunk, slot i), its row rows[pairs[e], :]. One CTA of D / 4
-// threads per segment; each key appears in one segment, so no two CTAs touch
-// one dk row.
+// threads per key, so no two CTAs touch one dk row.
 extern "C" __global__ void __launch_bounds__(D / 4)
-il_dk_segments(const float* rows, const int* pairs, const int* starts, const int* keys, float* dk, float* comp) {
+il_dk_segments(const float* rows, const int* pairs, const int* starts, float* dk, float* comp) {
     const int s = blockIdx.x, col = threadIdx.x;
-    const size_t at = (size_t)keys[s] * (D / 4) + col;
+    if (starts[s] == starts[s + 1]) return;  // a key no slot selected
+    const size_t at = (size_t)s * (D / 4) + col;
     const float4* src = reinterpret_cast<const float4*>(rows) + col;
     float4 sum = reinterpret_cast<float4*>(dk)[at], err = reinterpret_cast<float4*>(comp)[at];
     for (int e = starts[s]; e < starts[s + 1]; ++e) {

@@ -10,8 +10,7 @@
 //     of its digit in earlier tiles, plus those of its digit before it in its
 //     tile, so equal digits keep their order and every pass is stable.
 //     values == nullptr (the first pass) takes an entry's position in the
-//     table as its value. The kept entries fill the front of the outputs; the
-//     caller fills keys_out with -1 first, so the next pass skips the rest.
+//     table as its value. The kept entries fill the front of the outputs.
 // No float and no atomic decides an order: the output is the same on every run.
 #include "select.cuh"
 

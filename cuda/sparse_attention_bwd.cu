@@ -385,21 +385,22 @@ __device__ __forceinline__ float4 load4(const u16* row, int c) {
                        __uint_as_float(v.y & 0xFFFF0000u));
 }
 
-// dkv[keys[s], :] += the rows of segment s's pairs, one after another in the
-// segment's order: pair e is pairs[e] = t * k + i < 2^31 (query t of the chunk,
-// slot i); its rows (t * passes + p) * k + i, p ascending, follow each other.
-// One CTA of D / 4 threads per segment (4 columns each). The CTA turns D / 4
+// dkv[s, :] += the rows of key s's pairs, pairs[starts[s]] .. pairs[starts[s +
+// 1] - 1] one after another: pair e is pairs[e] = t * k + i < 2^31 (query t
+// of the chunk, slot i); its rows (t * passes + p) * k + i, p ascending,
+// follow each other. One CTA of D / 4 threads per key (4 columns each). The CTA turns D / 4
 // pairs at a time into row numbers in shared memory, then each thread keeps
 // LOADS rows in flight (16 bytes each for float32 rows, 8 for bfloat16) and
 // adds them in order into float32; no atomics.
 template <typename Row>
-__device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, const int* keys,
-                                             int k, int passes, float* dkv) {
+__device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, int k, int passes,
+                                             float* dkv) {
     constexpr int LOADS = sizeof(Row) == 4 ? 4 : 8, BATCH = D / 4;
     __shared__ int row_of[BATCH];
     const int s = blockIdx.x, c = threadIdx.x;
-    float4* dst = reinterpret_cast<float4*>(dkv) + (size_t)keys[s] * (D / 4) + c;
     const int first = starts[s], terms = (starts[s + 1] - first) * passes;
+    if (terms == 0) return;  // a key no slot selected
+    float4* dst = reinterpret_cast<float4*>(dkv) + (size_t)s * (D / 4) + c;
     float4 acc = *dst;
     for (int base = 0; base < terms; base += BATCH) {
         const int n = min(BATCH, terms - base);
@@ -432,13 +433,13 @@ __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, 
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(D / 4, 8)
-sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, const int* keys, int k, int passes,
+sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, int k, int passes,
                     float* dkv) {
-    dkv_segments(rows, pairs, starts, keys, k, passes, dkv);
+    dkv_segments(rows, pairs, starts, k, passes, dkv);
 }
 
 extern "C" __global__ void __launch_bounds__(D / 4, 8)
-sa_dkv_segments_bf16(const u16* rows, const int* pairs, const int* starts, const int* keys, int k, int passes,
+sa_dkv_segments_bf16(const u16* rows, const int* pairs, const int* starts, int k, int passes,
                      float* dkv) {
-    dkv_segments(rows, pairs, starts, keys, k, passes, dkv);
+    dkv_segments(rows, pairs, starts, k, passes, dkv);
 }

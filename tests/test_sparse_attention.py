@@ -339,22 +339,27 @@ def test_key_major_table_groups_pairs_in_ascending_order():
     assert empty.keys.size == 0 and empty.pairs.size == 0 and list(empty.starts) == [0]
 
 
-def _stable_key_table(indices):
-    """key_segments' result made by NumPy's stable sort."""
+def _check_key_table(got, indices, n_keys, dtype):
+    """key_segments' (positions, starts) against NumPy's stable sort."""
+    positions, starts = (to_host(x) for x in got)
+    assert got[0].dtype == dtype and got[1].dtype == dtype and got[0].flags.c_contiguous
     flat = indices.reshape(-1)
     order = np.argsort(flat, kind="stable")
     order = order[flat[order] >= 0]
-    keys, first = np.unique(flat[order], return_index=True)
-    return order, np.append(first, order.size), keys
+    counts = np.bincount(flat[flat >= 0], minlength=n_keys)
+    np.testing.assert_array_equal(starts, np.concatenate([[0], np.cumsum(counts)]))
+    assert positions.shape == (flat.size,)
+    np.testing.assert_array_equal(positions[:order.size], order)
+    assert np.all(positions[order.size:] == 0)  # the filler stays a valid position
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_keys", [1, 70, 256, 257, 0xFFFF, 70000])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 7), (50, 300), (7, 4096 + 63)])
 def test_gpu_key_segments_match_a_stable_sort(n_keys, shape):
-    """Every number of radix passes (1 to 3 digits, and 4 without a bound)
-    gives NumPy's stable sort: each key's positions ascending, -1 entries left
-    out; tiles of the sort split ties (a run of one key spans tiles)."""
+    """One to three radix passes give NumPy's stable sort: each key's positions
+    ascending, -1 entries left out, unselected keys empty; a run of one key
+    spans the sort's tiles; int64 tables give the same."""
     import cupy
 
     from hyscale_core.gpu.segments import key_segments
@@ -365,14 +370,9 @@ def test_gpu_key_segments_match_a_stable_sort(n_keys, shape):
     if shape[0] > 1:
         indices[1] = indices[0]
     for table in (indices, indices.astype(np.int64)):
-        want = _stable_key_table(table)
-        for bound in (n_keys, None):
-            got = key_segments(cupy.asarray(table), cupy.int32, bound)
-            for name, x, y in zip(("positions", "starts", "keys"), got, want):
-                assert x.dtype == cupy.int32 and x.flags.c_contiguous, name
-                np.testing.assert_array_equal(to_host(x), y, err_msg=name)
-    assert key_segments(cupy.full((2, 3), -1, cupy.int32), cupy.int32, n_keys) is None
-    assert key_segments(cupy.zeros((0, 3), cupy.int32), cupy.int32, n_keys) is None
+        _check_key_table(key_segments(cupy.asarray(table), cupy.int32, n_keys), indices, n_keys, cupy.int32)
+    for empty in (np.full((2, 3), -1, np.int32), np.zeros((0, 3), np.int32)):
+        _check_key_table(key_segments(cupy.asarray(empty), cupy.int32, n_keys), empty, n_keys, cupy.int32)
 
 
 @pytest.mark.gpu
@@ -385,11 +385,7 @@ def test_gpu_key_segments_one_key_everywhere_and_int64_positions():
 
     indices = np.full((9, 5000), 3, np.int32)
     indices[::2, ::3] = -1
-    want = _stable_key_table(indices)
-    got = key_segments(cupy.asarray(indices), cupy.int64, 4)
-    for name, x, y in zip(("positions", "starts", "keys"), got, want):
-        assert x.dtype == cupy.int64, name
-        np.testing.assert_array_equal(to_host(x), y, err_msg=name)
+    _check_key_table(key_segments(cupy.asarray(indices), cupy.int64, 4), indices, 4, cupy.int64)
 
 
 def _bad(**changes):

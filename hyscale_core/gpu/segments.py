@@ -11,13 +11,13 @@ from .module import get_kernel
 
 SORT_TILE = 16 * 256  # entries per CTA of cuda/key_sort.cu
 DIGIT_BITS = 8
+FILLER_KEY = 0x7FFFFFFF  # the sort buffer past the valid entries: sorts after every key
 
 
-def _sort_pass(keys, values, shift: int, keys_out, values_out):
+def _sort_pass(keys, values, shift: int, keys_out, values_out) -> None:
     """One stable pass of cuda/key_sort.cu over int32 ``keys`` by the digit at
     ``shift``: the entries >= 0 with their values (positions where ``values``
-    is None) fill the front of ``keys_out`` / ``values_out``, whose other keys
-    must be -1. Returns the [256] int32 device array of the digits' totals."""
+    is None) fill the front of ``keys_out`` / ``values_out``, in order."""
     cp = cupy_module()
     n = keys.size
     n_tiles = (n + SORT_TILE - 1) // SORT_TILE
@@ -28,44 +28,38 @@ def _sort_pass(keys, values, shift: int, keys_out, values_out):
     get_kernel("key_sort", "ks_digit_offsets")((256,), (256,), (counts, np.int32(n_tiles), totals))
     get_kernel("key_sort", "ks_scatter")((n_tiles,), (256,), (keys, values) + tiles + (counts, totals, keys_out,
                                                                                         values_out))
-    return totals
 
 
-def key_segments(indices, dtype, n_keys: int | None = None):
-    """The valid entries (>= 0) of an index table grouped by key.
+def key_segments(indices, dtype, n_keys: int):
+    """The valid entries (>= 0) of an index table grouped by key, on the device
+    and without a host synchronisation.
 
-    indices: CuPy int array [N, k] with N * k < 2**31; n_keys: a bound on its
-    entries (they lie in [-1, n_keys)); it sets the number of 8-bit radix
-    passes (one per digit of n_keys - 1; four without it). Returns None when
-    no entry is valid, else ``(positions, starts, keys)``, C-contiguous arrays
-    of ``dtype``: ``positions`` are flat positions into ``indices`` (t * k + i)
-    in ascending (key, position) order; segment s is
-    ``positions[starts[s]:starts[s + 1]]``, whose entries all hold
-    ``keys[s]``; keys ascend and ``starts`` has one entry more than ``keys``.
-    Deterministic: a stable radix sort (cuda/key_sort.cu), no atomics on order.
+    indices: CuPy int array [N, k], N * k < 2**31, entries in [-1, n_keys).
+    Returns ``(positions, starts)``, C-contiguous arrays of ``dtype``:
+    ``positions`` [N * k] holds the flat positions (t * k + i) of the valid
+    entries in ascending (key, position) order, then filler (0); key s's
+    positions are ``positions[starts[s]:starts[s + 1]]`` (empty for a key no
+    entry holds), ``starts`` [n_keys + 1], so ``starts[n_keys]`` counts the
+    valid entries. A stable radix sort (cuda/key_sort.cu, one pass per 8 bits
+    of n_keys - 1): the same table on every run.
     """
     cp = cupy_module()
-    if indices.size >= 2 ** 31:
-        raise ValueError(f"key_segments takes tables of fewer than 2**31 entries, got {indices.size}")
-    if indices.size == 0:
-        return None
-    key_bits = 31 if n_keys is None else max(1, int(n_keys - 1).bit_length())
+    n = indices.size
+    if n >= 2 ** 31:
+        raise ValueError(f"key_segments takes tables of fewer than 2**31 entries, got {n}")
+    if n == 0:
+        return cp.zeros(0, dtype=dtype), cp.zeros(n_keys + 1, dtype=dtype)
+    key_bits = max(1, int(n_keys - 1).bit_length())
     keys, positions = cp.ascontiguousarray(indices.reshape(-1), dtype=cp.int32), None
-    # two buffers in turn; their keys past the kept entries stay -1
-    key_buffers = [cp.full(keys.size, -1, dtype=cp.int32) for _ in range(2)]
-    value_buffers = [cp.empty(keys.size, dtype=cp.int32) for _ in range(2)]
+    # The first pass fills the front of buffer 0 and leaves its filler tail, which
+    # the later passes (every entry kept) carry along as the largest key.
+    key_buffers = [cp.full(n, FILLER_KEY, dtype=cp.int32), cp.empty(n, dtype=cp.int32)]
+    value_buffers = [cp.zeros(n, dtype=cp.int32), cp.empty(n, dtype=cp.int32)]
     for p, shift in enumerate(range(0, key_bits, DIGIT_BITS)):
-        totals = _sort_pass(keys, positions, shift, key_buffers[p % 2], value_buffers[p % 2])
+        _sort_pass(keys, positions, shift, key_buffers[p % 2], value_buffers[p % 2])
         keys, positions = key_buffers[p % 2], value_buffers[p % 2]
-        if p == 0:
-            kept_per_digit = totals
-    kept = int(kept_per_digit.sum())
-    if kept == 0:
-        return None
-    keys, positions = keys[:kept], positions[:kept]
-    first = cp.flatnonzero(cp.concatenate([cp.ones(1, dtype=cp.bool_), keys[1:] != keys[:-1]]))
-    starts = cp.concatenate([first, cp.asarray([keys.size])])
-    return positions.astype(dtype, copy=False), starts.astype(dtype), keys[first].astype(dtype)
+    starts = cp.searchsorted(keys, cp.arange(n_keys + 1, dtype=cp.int32))
+    return positions.astype(dtype, copy=False), starts.astype(dtype, copy=False)
 
 
 def scatter_add_rows(indices, rows, out) -> None:
@@ -76,14 +70,12 @@ def scatter_add_rows(indices, rows, out) -> None:
     (t, i) order, identically on every run.
     """
     cp = cupy_module()
-    segments = key_segments(indices, cp.int64, out.shape[0])
-    if segments is None:
+    n_keys, width = out.shape[0], rows.shape[-1]
+    if n_keys == 0 or indices.size == 0:
         return
-    positions, starts, keys = segments
-    width = rows.shape[-1]
+    positions, starts = key_segments(indices, cp.int64, n_keys)
     picked = cp.ascontiguousarray(rows.reshape(-1, width)[positions])
-    n_seg = int(keys.size)
     name = "segment_sum_f64" if rows.dtype == cp.float64 else "segment_sum_f32"
-    total = n_seg * width
+    total = n_keys * width
     get_kernel("segment_sum", name)(((total + 255) // 256,), (256,),
-                                    (picked, starts, keys, np.int32(n_seg), np.int32(width), out))
+                                    (picked, starts, np.int32(n_keys), np.int32(width), out))

@@ -139,12 +139,11 @@ def add_rows_by_key(indices, rows, dk, comp, cfg: Config) -> None:
     """dk[s] += every row of the chunk whose slot selected key s, in ascending
     (query, slot) order, compensated (comp: the running errors, float32 [Nk, D]
     like dk; the sum is dk - comp). indices int32 [C, kk]; rows float32 [C * kk, D]."""
-    segments = key_segments(indices, cupy_module().int32, dk.shape[0])
-    if segments is None:
+    n_keys = dk.shape[0]
+    if n_keys == 0 or indices.size == 0:
         return
-    pairs, starts, keys = segments
-    get_kernel(MODULE, "il_dk_segments", 0, cfg.defines)((int(keys.size),), (cfg.dim // 4,),
-                                                          (rows, pairs, starts, keys, dk, comp))
+    pairs, starts = key_segments(indices, cupy_module().int32, n_keys)
+    get_kernel(MODULE, "il_dk_segments", 0, cfg.defines)((n_keys,), (cfg.dim // 4,), (rows, pairs, starts, dk, comp))
 
 
 def indexer_scores_at_backward(q, k, w, indices, dscores):

@@ -177,13 +177,13 @@ def add_rows_by_key(indices, rows, passes: int, dkv, defines: tuple[str, ...]) -
     """dkv[s] += every row of the chunk whose slot selected key s, in ascending
     (query, slot, pass) order, in float32. indices int32 [C, k]; rows [C * passes * k, 576]
     as ``dkv_rows`` makes them."""
-    segments = key_segments(indices, cupy_module().int32, dkv.shape[0])
-    if segments is None:
+    n_keys = dkv.shape[0]
+    if n_keys == 0 or indices.size == 0:
         return
-    pairs, starts, keys = segments
+    pairs, starts = key_segments(indices, cupy_module().int32, n_keys)
     k = indices.shape[1]
     _kernel(f"sa_dkv_segments_{_row_suffix(rows)}", 0, defines)(
-        (int(keys.size),), (D_QK // 4,), (rows, pairs, starts, keys, np.int32(k), np.int32(passes), dkv))
+        (n_keys,), (D_QK // 4,), (rows, pairs, starts, np.int32(k), np.int32(passes), dkv))
 
 
 def dkv_rows_dtype(q, precise_dkv: bool):
