@@ -239,34 +239,43 @@ __device__ __forceinline__ void stage_head_columns(unsigned char* tile, const u1
     }
 }
 
-// Row row0 + 8 r of an m64n(8 J) accumulator, times `scale`, to dst[0 .. 8 J)
-// when `store`. float rows: each lane its column pairs. u16 rows (bfloat16
-// bits, each value rounded once): lanes 2m and 2m + 1 swap one packed pair
-// per two column blocks, so each stores 4 consecutive values; every lane must
-// call this (the swap is a warp shuffle).
-template <int J>
-__device__ __forceinline__ void store_columns(float* dst, const float (&acc)[4 * J], int r, float scale, bool store,
-                                              const Lane& ln) {
-    if (!store) return;
+// This warp's 16 rows of an m64n(8 J) accumulator, times `scale`, as Row
+// values (float32, or bfloat16 bits rounded once) to columns 0 .. 8 J of
+// rows[slot] (slot: the warp's rows 16 (warp % 4) ..; only slots whose key
+// is >= 0), through `stage` (2 KB of shared memory the warp owns): in rounds
+// of 128 bytes per row, the lanes write their pairs (16-byte chunks XOR-
+// swizzled by row, no bank conflicts) and read back 16 bytes each, so each
+// store instruction writes four whole 128-byte lines.
+template <int J, typename Row>
+__device__ __forceinline__ void store_rows(const float (&acc)[4 * J], float scale, unsigned char* stage, Row* rows,
+                                           const int* idx, const Lane& ln) {
+    constexpr int BLOCKS = 128 / (8 * (int)sizeof(Row));  // column blocks of 8 per round
+    const int lane = threadIdx.x & 31, first_slot = 16 * ((threadIdx.x >> 5) & 3);
     #pragma unroll
-    for (int j = 0; j < J; ++j)
-        *reinterpret_cast<float2*>(dst + 8 * j + ln.cq) =
-            make_float2(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
-}
-
-template <int J>
-__device__ __forceinline__ void store_columns(u16* dst, const float (&acc)[4 * J], int r, float scale, bool store,
-                                              const Lane& ln) {
-    const bool odd = threadIdx.x & 1;
-    #pragma unroll
-    for (int j = 0; j < J; j += 2) {
-        const u32 lo = pack_half2<false>(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
-        const u32 hi = pack_half2<false>(acc[4 * j + 4 + 2 * r] * scale, acc[4 * j + 4 + 2 * r + 1] * scale);
-        const u32 got = __shfl_xor_sync(FULL_MASK, odd ? lo : hi, 1);
-        // even lane 2m: block j, columns 2m .. 2m + 3; odd lane 2m + 1: block j + 1, columns 2m .. 2m + 3
-        if (store)
-            *reinterpret_cast<uint2*>(dst + 8 * (j + odd) + (ln.cq & ~2)) =
-                odd ? make_uint2(got, hi) : make_uint2(lo, got);
+    for (int j0 = 0; j0 < J; j0 += BLOCKS) {
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = (lane >> 2) + 8 * r;
+            #pragma unroll
+            for (int jj = 0; jj < BLOCKS; ++jj) {
+                const int byte = (8 * jj + ln.cq) * (int)sizeof(Row);
+                unsigned char* at = stage + row * 128 + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
+                const float a = acc[4 * (j0 + jj) + 2 * r] * scale, b = acc[4 * (j0 + jj) + 2 * r + 1] * scale;
+                if constexpr (sizeof(Row) == 2)
+                    *reinterpret_cast<u32*>(at) = pack_half2<false>(a, b);
+                else
+                    *reinterpret_cast<float2*>(at) = make_float2(a, b);
+            }
+        }
+        __syncwarp();
+        #pragma unroll 1
+        for (int i = 0; i < 4; ++i) {
+            const int row = 4 * i + (lane >> 3), chunk = lane & 7, slot = first_slot + row;
+            const uint4 v = *reinterpret_cast<const uint4*>(stage + row * 128 + (((chunk ^ row) & 7) << 4));
+            if (idx[slot] >= 0)
+                reinterpret_cast<uint4*>(rows + (size_t)slot * D + 8 * j0)[chunk] = v;
+        }
+        __syncwarp();
     }
 }
 
@@ -320,7 +329,7 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
         s_cur = s_next;
         s_next = slot_key(indices, t, k, b + 2);
         if (!any) continue;
-        const unsigned char* block_images = image_tiles + (b & 1) * GP * IMAGE_BYTES;
+        unsigned char* block_images = image_tiles + (b & 1) * GP * IMAGE_BYTES;
         mma_begin(acc);
         wgmma_fence_operands(rope);
         #pragma unroll
@@ -337,14 +346,11 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
         mma_end();
         wgmma_fence_operands(acc);
         wgmma_fence_operands(rope);
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int slot = ln.row0 + 8 * r;
-            const bool valid = idx[b & 1][slot] >= 0;  // the same for the lane pairs the bfloat16 stores swap in
-            Row* dst = query_rows + (size_t)(b * BK + slot) * D;
-            store_columns<16>(dst + FIRST + ln.w * 128, acc, r, scale, valid, ln);
-            if (HALF) store_columns<8>(dst + DV, rope, r, scale, valid && ln.w == 1, ln);
-        }
+        __syncthreads();  // both warpgroups' products have read the block's images: they become the stores' stage
+        unsigned char* store_stage = block_images + (threadIdx.x >> 5) * 2048;
+        Row* block_rows = query_rows + (size_t)b * BK * D;
+        store_rows<16>(acc, scale, store_stage, block_rows + FIRST + ln.w * 128, idx[b & 1], ln);
+        if (HALF && ln.w == 1) store_rows<8>(rope, scale, store_stage, block_rows + DV, idx[b & 1], ln);
     }
     cp_async_wait<0>();
 }
