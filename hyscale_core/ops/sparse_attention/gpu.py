@@ -31,7 +31,9 @@ block of 64 slots):
   of float32; ``precise_dkv`` keeps them float32) and float32 for float16
   inputs. Bitwise reproducible, and independent of the query chunking
   (``ROWS_BYTES``), since each key's running sum sees the same sequence of
-  adds.
+  adds. A chunk's dkv rows and sums run on a second stream of high priority
+  while the current stream runs the next chunk's dq kernel
+  (``OVERLAP_CHUNKS``; the same bits either way; two chunks' images held).
 """
 from __future__ import annotations
 
