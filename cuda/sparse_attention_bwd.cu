@@ -394,10 +394,10 @@ __device__ __forceinline__ float4 load4(const u16* row, int c) {
 // dkv[s, :] += the rows of key s's pairs, pairs[starts[s]] .. pairs[starts[s +
 // 1] - 1] one after another: pair e is pairs[e] = t * k + i < 2^31 (query t
 // of the chunk, slot i); its rows (t * passes + p) * k + i, p ascending,
-// follow each other. One CTA of D / 4 threads per key (4 columns each). The CTA turns D / 4
-// pairs at a time into row numbers in shared memory, then each thread keeps
-// LOADS rows in flight (16 bytes each for float32 rows, 8 for bfloat16) and
-// adds them in order into float32; no atomics.
+// follow each other. One CTA of D / 4 threads per key (4 columns each). The
+// CTA turns D / 4 pairs at a time into row numbers in shared memory, then
+// each thread keeps LOADS rows in flight (16 bytes each for float32 rows, 8
+// for bfloat16) and adds them in order into float32; no atomics.
 template <typename Row>
 __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, int k, int passes,
                                              float* dkv) {

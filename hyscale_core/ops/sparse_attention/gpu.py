@@ -243,8 +243,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
     in_flight = []
     for t0, t1 in query_chunks(q.shape[0], passes * indices.shape[1], D_QK * np.dtype(rows_as).itemsize):
         if len(in_flight) == 2:
-            done, _ = in_flight.pop(0)
-            main.wait_event(done)
+            main.wait_event(in_flight.pop(0)[0])  # the images of two chunks back are free after this
         chunk = slice(t0, t1)
         images = dq_and_images(q[chunk], kv, indices[chunk], out16[chunk], dout16[chunk], lse32[chunk], dq[chunk],
                                scale, defines)
