@@ -439,13 +439,11 @@ __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, 
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(D / 4, 8)
-sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, int k, int passes,
-                    float* dkv) {
+sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, int k, int passes, float* dkv) {
     dkv_segments(rows, pairs, starts, k, passes, dkv);
 }
 
 extern "C" __global__ void __launch_bounds__(D / 4, 8)
-sa_dkv_segments_bf16(const u16* rows, const int* pairs, const int* starts, int k, int passes,
-                     float* dkv) {
+sa_dkv_segments_bf16(const u16* rows, const int* pairs, const int* starts, int k, int passes, float* dkv) {
     dkv_segments(rows, pairs, starts, k, passes, dkv);
 }
