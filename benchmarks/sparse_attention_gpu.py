@@ -74,18 +74,6 @@ def torch_forward_backward(torch, q, kv, idx, dout, scale, chunk):
         out.backward(dout[t0:t0 + chunk])
 
 
-def one_stream_backward(hs, q, kv, idx, out, lse, dout):
-    """The backward with every chunk's kernels on the current stream (no second
-    stream for the dkv rows and sums): what the overlap buys."""
-    from hyscale_core.ops.sparse_attention import gpu
-
-    gpu.OVERLAP_CHUNKS = False
-    try:
-        return hs.sparse_attention_backward(q, kv, idx, out, lse, dout)
-    finally:
-        gpu.OVERLAP_CHUNKS = True
-
-
 def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
     """ms of the backward's phases on its first query chunk, times the
     number of chunks: {phase: (ms, chunk queries)}."""
@@ -126,8 +114,6 @@ def run_config(args, cp, torch, hs, n, h, rates):
         "hs bwd": lambda i: hs.sparse_attention_backward(q, kv, idx, out, lse, dout),
         "hs bwd precise": lambda i: hs.sparse_attention_backward(q, kv, idx, out, lse, dout, precise_dkv=True),
     }
-    if args.breakdown:
-        impls["hs bwd one stream"] = lambda i: one_stream_backward(hs, q, kv, idx, out, lse, dout)
     check = {}
     if n <= args.max_peer_n:
         c = args.chunk

@@ -31,9 +31,7 @@ block of 64 slots):
   of float32; ``precise_dkv`` keeps them float32) and float32 for float16
   inputs. Bitwise reproducible, and independent of the query chunking
   (``ROWS_BYTES``), since each key's running sum sees the same sequence of
-  adds. A chunk's dkv rows and sums run on a second stream of high priority
-  while the current stream runs the next chunk's dq kernel
-  (``OVERLAP_CHUNKS``; the same bits either way; two chunks' images held).
+  adds.
 """
 from __future__ import annotations
 
@@ -58,7 +56,6 @@ SMEM_DKV_ROWS = {gp: 1024 + 13 * gp * _TILE for gp in (1, 2)}  # q and dout colu
 
 ROWS_BYTES = 4 << 30  # bytes of the backward's dkv rows per query chunk
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
-OVERLAP_CHUNKS = True  # the backward's dkv rows and sums on a second stream, beside the next chunk's dq kernel
 
 
 def _defines(q, kv, d_v: int, scale: float) -> tuple[str, ...] | None:
@@ -205,23 +202,6 @@ def backward_operands(q, kv, out, lse, dout, d_v: int, scale: float):
         widen(lse, cupy_module().float32))
 
 
-def _side_stream(cp):
-    """A second stream of the current device, of the highest priority, that
-    takes each chunk's dkv rows and per-key sums while the current stream
-    runs the next chunk's dq kernel (one per device, made on first use)."""
-    device = cp.cuda.Device().id
-    if device not in _SIDE_STREAMS:
-        try:
-            _, greatest = cp.cuda.runtime.deviceGetStreamPriorityRange()
-            _SIDE_STREAMS[device] = cp.cuda.Stream(non_blocking=True, priority=greatest)
-        except (AttributeError, TypeError):  # a CuPy without stream priorities: the default one
-            _SIDE_STREAMS[device] = cp.cuda.Stream(non_blocking=True)
-    return _SIDE_STREAMS[device]
-
-
-_SIDE_STREAMS: dict[int, object] = {}
-
-
 def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float, precise_dkv: bool = False):
     operands = backward_operands(q, kv, out, lse, dout, d_v, scale)
     if operands is None:
@@ -233,25 +213,11 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
     if POISON_OUTPUTS:
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
-    main = cp.cuda.get_current_stream()
-    side = _side_stream(cp) if OVERLAP_CHUNKS else main
-    # Chunk c's dkv rows and sums run on `side` after its dq kernel, beside
-    # chunk c + 1's dq kernel on `main`. The sums keep their order (one
-    # stream), so dkv is the same as on one stream. in_flight holds the images
-    # `side` still reads (at most two chunks'), each with the event after
-    # which `main` may reuse its memory.
-    in_flight = []
     for t0, t1 in query_chunks(q.shape[0], passes * indices.shape[1], D_QK * np.dtype(rows_as).itemsize):
-        if len(in_flight) == 2:
-            main.wait_event(in_flight.pop(0)[0])  # the images of two chunks back are free after this
         chunk = slice(t0, t1)
         images = dq_and_images(q[chunk], kv, indices[chunk], out16[chunk], dout16[chunk], lse32[chunk], dq[chunk],
                                scale, defines)
-        side.wait_event(main.record())
-        with side:
-            rows = dkv_rows(q[chunk], dout16[chunk], indices[chunk], images, scale, defines, rows_as)
-            add_rows_by_key(indices[chunk], rows, passes, dkv, defines)
-            in_flight.append((side.record(), images))
-        del rows, images
-    main.wait_event(side.record())
+        rows = dkv_rows(q[chunk], dout16[chunk], indices[chunk], images, scale, defines, rows_as)
+        del images
+        add_rows_by_key(indices[chunk], rows, passes, dkv, defines)
     return dq.view(q.dtype), narrow(dkv, kv.dtype)
