@@ -83,7 +83,7 @@ def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
     n, h, _ = q.shape
     passes, rows_as = gpu.head_passes(h), gpu.dkv_rows_dtype(q, precise_dkv=False)
     defines, out16, dout16, lse32 = gpu.backward_operands(q, kv, out, lse, dout, D_V, scale)
-    c = next(gpu.query_chunks(n, passes * idx.shape[1], D_QK * np.dtype(rows_as).itemsize))[1]
+    c = next(gpu.query_chunks(n, passes * idx.shape[1], rows_as))[1]
     part = slice(0, c)
     dq = cp.empty(q[part].shape, dtype=cp.uint16)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)

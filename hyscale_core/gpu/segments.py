@@ -49,13 +49,16 @@ def key_segments(indices, dtype, n_keys: int):
         raise ValueError(f"key_segments takes tables of fewer than 2**31 entries, got {n}")
     if n == 0:
         return cp.zeros(0, dtype=dtype), cp.zeros(n_keys + 1, dtype=dtype)
-    key_bits = max(1, int(n_keys - 1).bit_length())
+    shifts = range(0, max(1, int(n_keys - 1).bit_length()), DIGIT_BITS)
     keys, positions = cp.ascontiguousarray(indices.reshape(-1), dtype=cp.int32), None
     # The first pass fills the front of buffer 0 and leaves its filler tail, which
     # the later passes (every entry kept) carry along as the largest key.
-    key_buffers = [cp.full(n, FILLER_KEY, dtype=cp.int32), cp.empty(n, dtype=cp.int32)]
-    value_buffers = [cp.zeros(n, dtype=cp.int32), cp.empty(n, dtype=cp.int32)]
-    for p, shift in enumerate(range(0, key_bits, DIGIT_BITS)):
+    key_buffers = [cp.full(n, FILLER_KEY, dtype=cp.int32)]
+    value_buffers = [cp.zeros(n, dtype=cp.int32)]
+    if len(shifts) > 1:
+        key_buffers.append(cp.empty(n, dtype=cp.int32))
+        value_buffers.append(cp.empty(n, dtype=cp.int32))
+    for p, shift in enumerate(shifts):
         _sort_pass(keys, positions, shift, key_buffers[p % 2], value_buffers[p % 2])
         keys, positions = key_buffers[p % 2], value_buffers[p % 2]
     starts = cp.searchsorted(keys, cp.arange(n_keys + 1, dtype=cp.int32))

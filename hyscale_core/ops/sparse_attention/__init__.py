@@ -166,8 +166,5 @@ def sparse_attention_backward(q: Any, kv: Any, indices: Any, out: Any, lse: Any,
     _check_saved(arrays, d_v, xp)
     names = ("q", "kv", "indices", "out", "lse", "dout")
     q, kv, indices, out, lse, dout = (xp.ascontiguousarray(arrays[n]) for n in names)
-    precise_dkv = _bool(precise_dkv, "precise_dkv")
-    if backend == CPU:
-        return _impl(backend).sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale)
     return _impl(backend).sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale,
-                                                    precise_dkv=precise_dkv)
+                                                    precise_dkv=_bool(precise_dkv, "precise_dkv"))

@@ -236,9 +236,11 @@ def _backward_rows(q, kv, indices, out, lse, dout, scale, dq, coef):
         _backward_row(q[t], kv, indices[t], out[t], lse[t], dout[t], scale, dq[t], coef[t])
 
 
-def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float
+def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float, precise_dkv: bool = False
                               ) -> tuple[np.ndarray, np.ndarray]:
     """``(dq [N, h, d_qk] q.dtype, dkv [N_kv, d_qk] kv.dtype)``; dkv deterministic.
+    ``precise_dkv`` changes nothing here: every contribution stays in the
+    compute dtype (float32 or float64) until its key's sum.
 
     Query chunks (ascending): a parallel query pass writes dq and the chunk's
     coef [T, k, 2h]; the chunk's pairs are then added to dkv key by key, the

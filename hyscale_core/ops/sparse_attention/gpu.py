@@ -131,9 +131,9 @@ def _as_dtype(x, dtype):
     return narrow(widen(x, cupy_module().float32), dtype)
 
 
-def query_chunks(n: int, rows_per_query: int, row_bytes: int = D_QK * 4):
-    """Query ranges whose dkv rows (``rows_per_query`` of ``row_bytes`` each per query) fit ROWS_BYTES."""
-    step = max(1, ROWS_BYTES // max(1, rows_per_query * row_bytes))
+def query_chunks(n: int, rows_per_query: int, row_dtype):
+    """Query ranges whose dkv rows (``rows_per_query`` rows [576] of ``row_dtype`` per query) fit ROWS_BYTES."""
+    step = max(1, ROWS_BYTES // max(1, rows_per_query * D_QK * np.dtype(row_dtype).itemsize))
     for t0 in range(0, n, step):
         yield t0, min(n, t0 + step)
 
@@ -213,7 +213,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
     if POISON_OUTPUTS:
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
-    for t0, t1 in query_chunks(q.shape[0], passes * indices.shape[1], D_QK * np.dtype(rows_as).itemsize):
+    for t0, t1 in query_chunks(q.shape[0], passes * indices.shape[1], rows_as):
         chunk = slice(t0, t1)
         images = dq_and_images(q[chunk], kv, indices[chunk], out16[chunk], dout16[chunk], lse32[chunk], dq[chunk],
                                scale, defines)
