@@ -14,8 +14,11 @@ fwd+probs" the public call with return_probs=True (a second pass recomputes
 the logits once lse is known); "hs bwd" the public backward (bfloat16 dkv
 rows), "hs bwd precise" the same with precise_dkv=True (float32 rows). With
 --breakdown, "hs bwd phase: ..." rows estimate each of the default
-backward's three phases, and the key sort alone (part of the third), from
-its first query chunk timed, times the chunk count. torch runs
+backward's three phases, the key sort alone (part of the third) and a
+plain write of the rows' bytes (the rows kernel's memory floor), from its
+first query chunk timed, times the chunk count, and "hs bwd one stream" /
+"hs bwd side on N SMs" rows time the backward without its second stream /
+with that stream's kernels held to N SMs. torch runs
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. Indices: for
 query t, k keys drawn uniformly (with replacement) from [0, max(t + 1, k)):
@@ -74,6 +77,27 @@ def torch_forward_backward(torch, q, kv, idx, dout, scale, chunk):
         out.backward(dout[t0:t0 + chunk])
 
 
+def backward_with(hs, settings, q, kv, idx, out, lse, dout):
+    """The backward with the GPU backend's module settings (OVERLAP_CHUNKS,
+    SIDE_SMS) changed for the call: what the second stream buys."""
+    from hyscale_core.ops.sparse_attention import gpu
+
+    saved = {name: getattr(gpu, name) for name in settings}
+    for name, value in settings.items():
+        setattr(gpu, name, value)
+    try:
+        return hs.sparse_attention_backward(q, kv, idx, out, lse, dout)
+    finally:
+        for name, value in saved.items():
+            setattr(gpu, name, value)
+
+
+# --breakdown rows of the backward's stream settings
+STREAM_VARIANTS = {"hs bwd one stream": {"OVERLAP_CHUNKS": False},
+                   "hs bwd side on 66 SMs": {"OVERLAP_CHUNKS": True, "SIDE_SMS": 66},
+                   "hs bwd side on 33 SMs": {"OVERLAP_CHUNKS": True, "SIDE_SMS": 33}}
+
+
 def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
     """ms of the backward's phases on its first query chunk, times the
     number of chunks: {phase: (ms, chunk queries)}."""
@@ -94,7 +118,8 @@ def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
               "dkv rows kernel": lambda i: gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines,
                                                        rows_as),
               "key sort": lambda i: key_segments(idx[part], cp.int32, kv.shape[0]),
-              "sort + per-key sums": lambda i: gpu.add_rows_by_key(idx[part], rows, passes, dkv, defines)}
+              "sort + per-key sums": lambda i: gpu.add_rows_by_key(idx[part], rows, passes, dkv, defines),
+              "write of the rows' bytes (fill)": lambda i: rows.fill(0)}
     return {name: (time_gpu(fn, repeats=repeats, warmup=1) * n / c, c) for name, fn in phases.items()}
 
 
@@ -114,6 +139,9 @@ def run_config(args, cp, torch, hs, n, h, rates):
         "hs bwd": lambda i: hs.sparse_attention_backward(q, kv, idx, out, lse, dout),
         "hs bwd precise": lambda i: hs.sparse_attention_backward(q, kv, idx, out, lse, dout, precise_dkv=True),
     }
+    if args.breakdown:
+        for name, settings in STREAM_VARIANTS.items():
+            impls[name] = lambda i, settings=settings: backward_with(hs, settings, q, kv, idx, out, lse, dout)
     check = {}
     if n <= args.max_peer_n:
         c = args.chunk
