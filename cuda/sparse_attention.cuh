@@ -107,10 +107,19 @@ __device__ __forceinline__ int slot_key(const int* indices, int t, int k, int b)
 
 // This thread's share of gathering kv row s (zeros when s < 0) into row
 // threadIdx.x / 4 of a key tile, chunks as stage_row's (i < 8 covers
-// features 0..255, the first 4 regions).
+// features 0..255, the first 4 regions). The rows are kept in L2 over
+// evict-normal lines (each is gathered by many queries) and fetched from
+// memory 256 bytes at a time.
 template <int FIRST, int LAST>
 __device__ __forceinline__ void stage_key_row(unsigned char* tile, const u16* kv, int s) {
-    stage_row<FIRST, LAST>(tile, kv + (size_t)(s >= 0 ? s : 0) * D, s >= 0);
+    const int r = threadIdx.x >> 2;
+    const u16* src = kv + (size_t)(s >= 0 ? s : 0) * D;
+    const u64 policy = l2_evict_last();
+    #pragma unroll
+    for (int i = FIRST; i < LAST; ++i) {
+        const int c = (threadIdx.x & 3) + 4 * i;
+        cp_async16(tile + swizzled_offset(r, c, 64), src + c * 8, s >= 0, policy);
+    }
 }
 
 __device__ __forceinline__ void record_key(int* idx, int s) {

@@ -20,6 +20,20 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
     const u32 addr = static_cast<u32>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0));
 }
+// An L2 cache policy under which lines outlast those of evict_normal accesses
+// (for data read many times, as gathered kv rows).
+__device__ __forceinline__ u64 l2_evict_last() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+// cp_async16 with zero fill, under an L2 cache policy, with a 256-byte L2
+// fetch on a miss (for whole rows of 256 bytes or more).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid, u64 policy) {
+    const u32 addr = static_cast<u32>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(addr),
+                 "l"(gmem), "r"(valid ? 16 : 0), "l"(policy));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
