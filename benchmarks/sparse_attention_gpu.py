@@ -94,8 +94,8 @@ def backward_with(hs, settings, q, kv, idx, out, lse, dout):
 
 # --breakdown rows of the backward's stream settings
 STREAM_VARIANTS = {"hs bwd one stream": {"OVERLAP_CHUNKS": False},
-                   "hs bwd side on 66 SMs": {"OVERLAP_CHUNKS": True, "SIDE_SMS": 66},
-                   "hs bwd side on 33 SMs": {"OVERLAP_CHUNKS": True, "SIDE_SMS": 33}}
+                   **{f"hs bwd side on {sms} SMs": {"OVERLAP_CHUNKS": True, "SIDE_SMS": sms}
+                      for sms in (16, 33, 50, 66, 100)}}
 
 
 def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
