@@ -1,14 +1,11 @@
 // Sparse attention forward on tensor cores (layout: sparse_attention.cuh).
 //
-// sa_forward: warpgroup w computes the logits of all 64 slots of a block for
-// all 64 heads over half of the features (m64n64, K = 288: the q tile is read
-// once per 64 slots, not per 32), the two swap the halves of the partial sums
-// they do not own through shared memory, so warpgroup w holds the logits of
-// slots 32w .. 32w+31; they exchange row maxima, write p (16-bit) into a
-// shared tile, and each adds p v for its half of the 512 value columns
-// (m64n256, K = 64): online softmax in float32, base-2 exponent. With probs,
-// a second walk over the blocks recomputes the logits and sums exp(logit -
-// lse) over the heads.
+// sa_forward: warpgroup w computes the logits of the block's slots
+// 32w .. 32w+31 for all 64 heads (m64n32, K = 576), the two exchange row
+// maxima through shared memory, write p (16-bit) into a shared tile, and
+// each adds p v for its half of the 512 value columns (m64n256, K = 64):
+// online softmax in float32, base-2 exponent. With probs, a second walk over
+// the blocks recomputes the logits and sums exp(logit - lse) over the heads.
 #include "wgmma.cuh"
 #include "sparse_attention.cuh"
 
@@ -16,10 +13,7 @@ namespace {
 
 struct FwdShared {
     int idx[2][BK];
-    union {
-        float red[2][BH];  // per-warpgroup row maxima, then row sums
-        float col[8][32];  // the probs walk: per-warp column sums
-    };
+    float red[2][BH];  // per-warpgroup row maxima, then row sums
 };
 
 // Stages the next key block into its buffer (nothing past the last block)
@@ -40,8 +34,7 @@ struct NextBlockGather {
 };
 
 // Walk the key blocks of query t: `body(b, tile, idx, gather_next)` works on
-// block b (it may overwrite the tile's last region once its logits are done)
-// and must call gather_next() once, which stages block b + 1 into the
+// block b and must call gather_next() once, which stages block b + 1 into the
 // other buffer (so the body can first issue its products, then the gather).
 // The body may use any barrier and must have waited for its own reads of the
 // tile (wgmma) before it returns: block b + 1 then reuses block b - 1's
@@ -73,60 +66,18 @@ __device__ __forceinline__ void for_each_key_block(unsigned char* kv_tiles, FwdS
     cp_async_wait<0>();
 }
 
-// This thread's 16 partial logits of the 32 slots warpgroup w does not own
-// to `out`, and the partner's 16 of the slots it owns added from `in` (the
-// partner thread has the same place in its warpgroup, so the two agree on
-// the order: thread-major float4s, no bank conflicts). Both sides add
-// partial(features 0..287) + partial(288..575).
-__device__ __forceinline__ void swap_halves(float (&s64)[32], float (&s)[16], float4* out, const float4* in,
-                                            int w) {
-    const int i = threadIdx.x & 127;
-    #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        if (w == 0)  // warp-uniform; each branch indexes registers by constants
-            out[r * 128 + i] = make_float4(s64[16 + 4 * r], s64[17 + 4 * r], s64[18 + 4 * r], s64[19 + 4 * r]);
-        else
-            out[r * 128 + i] = make_float4(s64[4 * r], s64[1 + 4 * r], s64[2 + 4 * r], s64[3 + 4 * r]);
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const float4 v = in[r * 128 + i];
-        if (w == 0) {
-            s[4 * r] = s64[4 * r] + v.x, s[4 * r + 1] = s64[4 * r + 1] + v.y;
-            s[4 * r + 2] = s64[4 * r + 2] + v.z, s[4 * r + 3] = s64[4 * r + 3] + v.w;
-        } else {
-            s[4 * r] = v.x + s64[16 + 4 * r], s[4 * r + 1] = v.y + s64[17 + 4 * r];
-            s[4 * r + 2] = v.z + s64[18 + 4 * r], s[4 * r + 3] = v.w + s64[19 + 4 * r];
-        }
-    }
-}
-
 // Logits of the block's slots 32w .. 32w+31 in base-2 units (scale * log2 e
-// folded in), -inf at skipped slots; the next block's gather is issued while
-// the products run. The partial sums are swapped through the p tile
-// (warpgroup 0's, free until softmax_step's barrier, behind which the reads
-// finish) and the block's last kv region (warpgroup 1's: only warpgroup 1's
-// products read it, and p v does not). Contains a barrier.
-__device__ __forceinline__ void block_logits(float (&s)[16], const unsigned char* q_tile, unsigned char* tile,
-                                             unsigned char* p_tile, const int* idx, const Lane& ln, float sl2,
+// folded in), -inf at skipped slots; the next block's gather is issued while the products run.
+__device__ __forceinline__ void block_logits(float (&s)[16], const unsigned char* q_tile, const unsigned char* tile,
+                                             const int* idx, const Lane& ln, float sl2,
                                              const NextBlockGather& gather_next) {
-    constexpr int HALF_STEPS = D / 32;  // k-steps of 16 features per warpgroup
-    float s64[32];
-    zero(s64);
-    mma_begin(s64);
-    #pragma unroll
-    for (int kk = 0; kk < HALF_STEPS; ++kk) {
-        const int step = ln.w * HALF_STEPS + kk;
-        wgmma_m64n64k16<F16, 0, 0>(s64, wgmma_desc_k(q_tile, step, 64), wgmma_desc_k(tile, step, 64), kk > 0);
-    }
+    zero(s);
+    mma_begin(s);
+    issue_rows32<0, D / 16>(s, q_tile, tile + ln.w * 32 * 128);
     wgmma_commit();
     gather_next();
     wgmma_wait_all();
-    wgmma_fence_operands(s64);
-    float4* rope_region = reinterpret_cast<float4*>(tile + (D / 64 - 1) * REGION);
-    float4* p_region = reinterpret_cast<float4*>(p_tile);
-    swap_halves(s64, s, ln.w == 0 ? p_region : rope_region, ln.w == 0 ? rope_region : p_region, ln.w);
+    wgmma_fence_operands(s);
     #pragma unroll
     for (int j = 0; j < 4; ++j)
         #pragma unroll
@@ -234,10 +185,10 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     cp_async_commit();
     float o[128], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
     zero(o);
-    for_each_key_block(kv_tiles, sh, kv, indices, t, k, true, [&](int, unsigned char* tile, const int* idx,
+    for_each_key_block(kv_tiles, sh, kv, indices, t, k, true, [&](int, const unsigned char* tile, const int* idx,
                                                                   const NextBlockGather& gather_next) {
         float s[16];
-        block_logits(s, q_tile, tile, p_tile, idx, ln, sl2, gather_next);
+        block_logits(s, q_tile, tile, idx, ln, sl2, gather_next);
         softmax_step(s, o, m, l, sh, p_tile, ln);
         fence_proxy_async();
         __syncthreads();
@@ -268,11 +219,12 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     }
     if (probs == nullptr) return;
     float* probs_row = probs + ((size_t)t * groups + g) * k;
-    for_each_key_block(kv_tiles, sh, kv, indices, t, k, false, [&](int b, unsigned char* tile, const int* idx,
+    float* col = reinterpret_cast<float*>(p_tile);  // [8 warps][32 columns]; the p tile is unused here
+    for_each_key_block(kv_tiles, sh, kv, indices, t, k, false, [&](int b, const unsigned char* tile, const int* idx,
                                                                    const NextBlockGather& gather_next) {
         float s[16];
-        block_logits(s, q_tile, tile, p_tile, idx, ln, sl2, gather_next);
-        block_probs(s, lse2, live, &sh.col[0][0], probs_row, b, k, ln);
+        block_logits(s, q_tile, tile, idx, ln, sl2, gather_next);
+        block_probs(s, lse2, live, col, probs_row, b, k, ln);
     });
 }
 
