@@ -16,9 +16,8 @@ rows), "hs bwd precise" the same with precise_dkv=True (float32 rows). With
 --breakdown, "hs bwd phase: ..." rows estimate each of the default
 backward's three phases, the key sort alone (part of the third) and a
 plain write of the rows' bytes (the rows kernel's memory floor), from its
-first query chunk timed, times the chunk count, and "hs bwd one stream" /
-"hs bwd side on N SMs" rows time the backward without its second stream /
-with that stream's kernels held to N SMs. torch runs
+first query chunk timed, times the chunk count; "hs bwd one stream" is the
+backward without its second stream. torch runs
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. Indices: for
 query t, k keys drawn uniformly (with replacement) from [0, max(t + 1, k)):
@@ -77,25 +76,16 @@ def torch_forward_backward(torch, q, kv, idx, dout, scale, chunk):
         out.backward(dout[t0:t0 + chunk])
 
 
-def backward_with(hs, settings, q, kv, idx, out, lse, dout):
-    """The backward with the GPU backend's module settings (OVERLAP_CHUNKS,
-    SIDE_SMS) changed for the call: what the second stream buys."""
+def one_stream_backward(hs, q, kv, idx, out, lse, dout):
+    """The backward with every chunk's kernels on the current stream (no second
+    stream for the dkv rows and sums): what the overlap buys."""
     from hyscale_core.ops.sparse_attention import gpu
 
-    saved = {name: getattr(gpu, name) for name in settings}
-    for name, value in settings.items():
-        setattr(gpu, name, value)
+    gpu.OVERLAP_CHUNKS = False
     try:
         return hs.sparse_attention_backward(q, kv, idx, out, lse, dout)
     finally:
-        for name, value in saved.items():
-            setattr(gpu, name, value)
-
-
-# --breakdown rows of the backward's stream settings
-STREAM_VARIANTS = {"hs bwd one stream": {"OVERLAP_CHUNKS": False},
-                   **{f"hs bwd side on {sms} SMs": {"OVERLAP_CHUNKS": True, "SIDE_SMS": sms}
-                      for sms in (16, 33, 50, 66, 100)}}
+        gpu.OVERLAP_CHUNKS = True
 
 
 def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
@@ -140,8 +130,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
         "hs bwd precise": lambda i: hs.sparse_attention_backward(q, kv, idx, out, lse, dout, precise_dkv=True),
     }
     if args.breakdown:
-        for name, settings in STREAM_VARIANTS.items():
-            impls[name] = lambda i, settings=settings: backward_with(hs, settings, q, kv, idx, out, lse, dout)
+        impls["hs bwd one stream"] = lambda i: one_stream_backward(hs, q, kv, idx, out, lse, dout)
     check = {}
     if n <= args.max_peer_n:
         c = args.chunk

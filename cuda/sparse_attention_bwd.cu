@@ -358,9 +358,8 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
 }  // namespace
 
 // Dynamic shared memory: 1024 + 13 * GP * 64 * 128 (q and dout columns of
-// the half, two blocks of GP images). units = 2 C (the chunk's queries times
-// two halves); any grid: CTA c takes units c, c + gridDim.x, .., unit 2 t +
-// half. rows: [C, passes, k, 576] (passes = ceil(groups / 2));
+// the half, two blocks of GP images). Grid: 2 C CTAs over the chunk's queries,
+// CTA 2 t + half. rows: [C, passes, k, 576] (passes = ceil(groups / 2));
 // row (t, pass, slot) = scale * (ds^T q + p'^T dout) of that slot over
 // the pass's heads 128 pass .. 128 pass + 64 GP - 1, written for valid slots
 // only; _bf16 entries write bfloat16 rows (u16 bits, each value rounded once
@@ -368,14 +367,12 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
 #define HS_DKV_ROWS(GP, ROW, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(THREADS, 3 - GP)                                                    \
     NAME(const u16* q, const u16* dout, const int* indices, const unsigned char* images, ROW* rows, int h, int k,   \
-         float scale, int pass, int units) {                                                                        \
-        for (int u = blockIdx.x; u < units; u += gridDim.x) {                                                        \
-            if (u != blockIdx.x) __syncthreads(); /* the previous unit's stores have read its stage */               \
-            if (u & 1)                                                                                               \
-                dkv_rows_half<GP, 1>(q, dout, indices, images, rows, h, k, scale, pass, u >> 1);                     \
-            else                                                                                                     \
-                dkv_rows_half<GP, 0>(q, dout, indices, images, rows, h, k, scale, pass, u >> 1);                     \
-        }                                                                                                            \
+         float scale, int pass) {                                                                                   \
+        const int t = blockIdx.x >> 1;                                                                               \
+        if (blockIdx.x & 1)                                                                                          \
+            dkv_rows_half<GP, 1>(q, dout, indices, images, rows, h, k, scale, pass, t);                              \
+        else                                                                                                         \
+            dkv_rows_half<GP, 0>(q, dout, indices, images, rows, h, k, scale, pass, t);                              \
     }
 HS_DKV_ROWS(1, float, sa_backward_dkv_rows1_f32)
 HS_DKV_ROWS(2, float, sa_backward_dkv_rows2_f32)
@@ -397,23 +394,23 @@ __device__ __forceinline__ float4 load4(const u16* row, int c) {
 // dkv[s, :] += the rows of key s's pairs, pairs[starts[s]] .. pairs[starts[s +
 // 1] - 1] one after another: pair e is pairs[e] = t * k + i < 2^31 (query t
 // of the chunk, slot i); its rows (t * passes + p) * k + i, p ascending,
-// follow each other. A CTA of D / 4 threads takes keys blockIdx.x,
-// blockIdx.x + gridDim.x, .. < n_keys, one at a time (4 columns a thread). The
+// follow each other. One CTA of D / 4 threads per key (4 columns each). The
 // CTA turns D / 4 pairs at a time into row numbers in shared memory, then
 // each thread keeps LOADS rows in flight (16 bytes each for float32 rows, 8
 // for bfloat16) and adds them in order into float32; no atomics.
 template <typename Row>
-__device__ __forceinline__ void dkv_segment(const Row* rows, const int* pairs, const int* starts, int k, int passes,
-                                            float* dkv, int s, int* row_of) {
+__device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, int k, int passes,
+                                             float* dkv) {
     constexpr int LOADS = sizeof(Row) == 4 ? 4 : 8, BATCH = D / 4;
-    const int c = threadIdx.x;
+    __shared__ int row_of[BATCH];
+    const int s = blockIdx.x, c = threadIdx.x;
     const int first = starts[s], terms = (starts[s + 1] - first) * passes;
     if (terms == 0) return;  // a key no slot selected
     float4* dst = reinterpret_cast<float4*>(dkv) + (size_t)s * (D / 4) + c;
     float4 acc = *dst;
     for (int base = 0; base < terms; base += BATCH) {
         const int n = min(BATCH, terms - base);
-        __syncthreads();  // the previous batch's (or key's) row numbers are read
+        __syncthreads();  // the previous batch's row numbers are read
         if (c < n) {
             const int u = base + c, pair = pairs[first + u / passes];
             const int t = passes == 1 ? 0 : pair / k;  // one pass: the row is the pair
@@ -439,24 +436,14 @@ __device__ __forceinline__ void dkv_segment(const Row* rows, const int* pairs, c
     *dst = acc;
 }
 
-template <typename Row>
-__device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, int k, int passes,
-                                             float* dkv, int n_keys) {
-    __shared__ int row_of[D / 4];
-    for (int s = blockIdx.x; s < n_keys; s += gridDim.x)  // each batch's first barrier guards row_of
-        dkv_segment(rows, pairs, starts, k, passes, dkv, s, row_of);
-}
-
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(D / 4, 8)
-sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, int k, int passes, float* dkv,
-                    int n_keys) {
-    dkv_segments(rows, pairs, starts, k, passes, dkv, n_keys);
+sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, int k, int passes, float* dkv) {
+    dkv_segments(rows, pairs, starts, k, passes, dkv);
 }
 
 extern "C" __global__ void __launch_bounds__(D / 4, 8)
-sa_dkv_segments_bf16(const u16* rows, const int* pairs, const int* starts, int k, int passes, float* dkv,
-                     int n_keys) {
-    dkv_segments(rows, pairs, starts, k, passes, dkv, n_keys);
+sa_dkv_segments_bf16(const u16* rows, const int* pairs, const int* starts, int k, int passes, float* dkv) {
+    dkv_segments(rows, pairs, starts, k, passes, dkv);
 }

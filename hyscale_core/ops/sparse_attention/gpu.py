@@ -31,9 +31,9 @@ block of 64 slots):
   of float32; ``precise_dkv`` keeps them float32) and float32 for float16
   inputs. Bitwise reproducible, and independent of the query chunking
   (``ROWS_BYTES``), since each key's running sum sees the same sequence of
-  adds. A chunk's dkv rows and sums run on a second stream of high priority
-  while the current stream runs the next chunk's dq kernel
-  (``OVERLAP_CHUNKS``; the same bits either way; two chunks' images held).
+  adds. A chunk's dkv rows and sums run on a second stream while the
+  current stream runs the next chunk's dq kernel (``OVERLAP_CHUNKS``; the
+  same bits either way; two chunks' images held).
 """
 from __future__ import annotations
 
@@ -59,7 +59,6 @@ SMEM_DKV_ROWS = {gp: 1024 + 13 * gp * _TILE for gp in (1, 2)}  # q and dout colu
 ROWS_BYTES = 4 << 30  # bytes of the backward's dkv rows per query chunk
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
 OVERLAP_CHUNKS = True  # the backward's dkv rows and sums on a second stream, beside the next chunk's dq kernel
-SIDE_SMS = None  # with OVERLAP_CHUNKS: the second stream's kernels run on at most this many SMs' CTAs (None: no cap)
 
 
 def _defines(q, kv, d_v: int, scale: float) -> tuple[str, ...] | None:
@@ -159,17 +158,11 @@ def _row_suffix(rows) -> str:
     return "bf16" if rows.dtype == cupy_module().uint16 else "f32"
 
 
-def _grid(units: int, ctas_per_sm: int, sms: int | None) -> int:
-    """CTAs of a kernel whose CTAs loop over ``units``: one per unit, or at most
-    ``ctas_per_sm`` on each of ``sms`` SMs."""
-    return units if sms is None else max(1, min(units, sms * ctas_per_sm))
-
-
-def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...], row_dtype, sms: int | None = None):
+def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...], row_dtype):
     """sa_backward_dkv_rows{1,2}_{f32,bf16} on the chunk of ``dq_and_images``: [C * passes
     * k, 576] of ``row_dtype`` (float32, or uint16 holding bfloat16 bits), row (t * passes
     + p) * k + i = the dkv contribution of slot i of query t from the heads of pass p
-    (128 p .. 128 p + 127). ``sms``: run on at most that many SMs' CTAs."""
+    (128 p .. 128 p + 127)."""
     cp = cupy_module()
     (n, h, _), k = q.shape, indices.shape[1]
     groups, passes = _groups(h), head_passes(h)
@@ -178,24 +171,22 @@ def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...], r
         gp = min(GROUPS_PER_PASS, groups - GROUPS_PER_PASS * p)
         smem = SMEM_DKV_ROWS[gp]
         _kernel(f"sa_backward_dkv_rows{gp}_{_row_suffix(rows)}", smem, defines)(
-            (_grid(2 * n, 3 - gp, sms),), (THREADS,), (_bits(q), _bits(dout), indices, images, rows, np.int32(h),
-                                                       np.int32(k), np.float32(scale), np.int32(p), np.int32(2 * n)),
-            shared_mem=smem)
+            (2 * n,), (THREADS,), (_bits(q), _bits(dout), indices, images, rows, np.int32(h), np.int32(k),
+                                   np.float32(scale), np.int32(p)), shared_mem=smem)
     return rows
 
 
-def add_rows_by_key(indices, rows, passes: int, dkv, defines: tuple[str, ...], sms: int | None = None) -> None:
+def add_rows_by_key(indices, rows, passes: int, dkv, defines: tuple[str, ...]) -> None:
     """dkv[s] += every row of the chunk whose slot selected key s, in ascending
     (query, slot, pass) order, in float32. indices int32 [C, k]; rows [C * passes * k, 576]
-    as ``dkv_rows`` makes them. ``sms``: run on at most that many SMs' CTAs."""
+    as ``dkv_rows`` makes them."""
     n_keys = dkv.shape[0]
     if n_keys == 0 or indices.size == 0:
         return
     pairs, starts = key_segments(indices, cupy_module().int32, n_keys)
     k = indices.shape[1]
     _kernel(f"sa_dkv_segments_{_row_suffix(rows)}", 0, defines)(
-        (_grid(n_keys, 8, sms),), (D_QK // 4,), (rows, pairs, starts, np.int32(k), np.int32(passes), dkv,
-                                                 np.int32(n_keys)))
+        (n_keys,), (D_QK // 4,), (rows, pairs, starts, np.int32(k), np.int32(passes), dkv))
 
 
 def dkv_rows_dtype(q, precise_dkv: bool):
@@ -215,16 +206,12 @@ def backward_operands(q, kv, out, lse, dout, d_v: int, scale: float):
 
 
 def _side_stream(cp):
-    """A second stream of the current device, of the highest priority, that
-    takes each chunk's dkv rows and per-key sums while the current stream
-    runs the next chunk's dq kernel (one per device, made on first use)."""
+    """A second, non-blocking stream of the current device that takes each
+    chunk's dkv rows and per-key sums while the current stream runs the next
+    chunk's dq kernel (one per device, made on first use)."""
     device = cp.cuda.Device().id
     if device not in _SIDE_STREAMS:
-        try:
-            _, greatest = cp.cuda.runtime.deviceGetStreamPriorityRange()
-            _SIDE_STREAMS[device] = cp.cuda.Stream(non_blocking=True, priority=greatest)
-        except (AttributeError, TypeError):  # a CuPy without stream priorities: the default one
-            _SIDE_STREAMS[device] = cp.cuda.Stream(non_blocking=True)
+        _SIDE_STREAMS[device] = cp.cuda.Stream(non_blocking=True)
     return _SIDE_STREAMS[device]
 
 
@@ -243,7 +230,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
     main = cp.cuda.get_current_stream()
-    side, side_sms = (_side_stream(cp), SIDE_SMS) if OVERLAP_CHUNKS else (main, None)
+    side = _side_stream(cp) if OVERLAP_CHUNKS else main
     # Chunk c's dkv rows and sums run on `side` after its dq kernel, beside
     # chunk c + 1's dq kernel on `main`. The sums keep their order (one
     # stream), so dkv is the same as on one stream. in_flight holds the images
@@ -258,8 +245,8 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
                                scale, defines)
         side.wait_event(main.record())
         with side:
-            rows = dkv_rows(q[chunk], dout16[chunk], indices[chunk], images, scale, defines, rows_as, side_sms)
-            add_rows_by_key(indices[chunk], rows, passes, dkv, defines, side_sms)
+            rows = dkv_rows(q[chunk], dout16[chunk], indices[chunk], images, scale, defines, rows_as)
+            add_rows_by_key(indices[chunk], rows, passes, dkv, defines)
             in_flight.append((side.record(), images))
         del rows, images
     main.wait_event(side.record())
