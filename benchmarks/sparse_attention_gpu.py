@@ -81,11 +81,11 @@ def one_stream_backward(hs, q, kv, idx, out, lse, dout):
     stream for the dkv rows and sums): what the overlap buys."""
     from hyscale_core.ops.sparse_attention import gpu
 
-    gpu.OVERLAP_CHUNKS = False
+    overlap, gpu.OVERLAP_CHUNKS = gpu.OVERLAP_CHUNKS, False
     try:
         return hs.sparse_attention_backward(q, kv, idx, out, lse, dout)
     finally:
-        gpu.OVERLAP_CHUNKS = True
+        gpu.OVERLAP_CHUNKS = overlap
 
 
 def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
