@@ -79,14 +79,15 @@ __device__ __forceinline__ unsigned char* aligned_dynamic_smem() {
 // This thread's share of staging a row into one 64-row tile: row
 // threadIdx.x / 4 from `src` (zeros when !valid), 16-byte chunks
 // threadIdx.x % 4 + 4 i for i in [FIRST, LAST) (i < WIDTH / 32 covers a row
-// of WIDTH 16-bit columns).
-template <int FIRST, int LAST>
-__device__ __forceinline__ void stage_row(unsigned char* tile, const u16* src, bool valid) {
+// of WIDTH 16-bit columns). `policy`: none, or an L2 cache policy for the
+// copies (cp_async16's overloads).
+template <int FIRST, int LAST, typename... Policy>
+__device__ __forceinline__ void stage_row(unsigned char* tile, const u16* src, bool valid, Policy... policy) {
     const int r = threadIdx.x >> 2;
     #pragma unroll
     for (int i = FIRST; i < LAST; ++i) {
         const int c = (threadIdx.x & 3) + 4 * i;
-        cp_async16(tile + swizzled_offset(r, c, 64), src + c * 8, valid);
+        cp_async16(tile + swizzled_offset(r, c, 64), src + c * 8, valid, policy...);
     }
 }
 
@@ -112,14 +113,7 @@ __device__ __forceinline__ int slot_key(const int* indices, int t, int k, int b)
 // memory 256 bytes at a time.
 template <int FIRST, int LAST>
 __device__ __forceinline__ void stage_key_row(unsigned char* tile, const u16* kv, int s) {
-    const int r = threadIdx.x >> 2;
-    const u16* src = kv + (size_t)(s >= 0 ? s : 0) * D;
-    const u64 policy = l2_evict_last();
-    #pragma unroll
-    for (int i = FIRST; i < LAST; ++i) {
-        const int c = (threadIdx.x & 3) + 4 * i;
-        cp_async16(tile + swizzled_offset(r, c, 64), src + c * 8, s >= 0, policy);
-    }
+    stage_row<FIRST, LAST>(tile, kv + (size_t)(s >= 0 ? s : 0) * D, s >= 0, l2_evict_last());
 }
 
 __device__ __forceinline__ void record_key(int* idx, int s) {

@@ -33,7 +33,11 @@ block of 64 slots):
   (``ROWS_BYTES``), since each key's running sum sees the same sequence of
   adds. A chunk's dkv rows and sums run on a second stream while the
   current stream runs the next chunk's dq kernel (``OVERLAP_CHUNKS``; the
-  same bits either way; two chunks' images held).
+  same bits either way; two chunks' images held). Their scratch (the rows,
+  up to ``ROWS_BYTES``, and the key table) is allocated on that stream, and
+  CuPy's stream-aware pool keeps freed blocks for the stream that freed
+  them: after a backward the pool holds them for the next one, and
+  ``cupy.get_default_memory_pool().free_all_blocks()`` gives them back.
 """
 from __future__ import annotations
 
