@@ -206,51 +206,116 @@ struct Buffers {
     __device__ __forceinline__ size_t at(int flip, int qi) const { return ((size_t)flip * TQ + qi) * cap; }
 };
 
-// Candidates a thread reads per round in prune: the buffers live in global
-// memory, so each round keeps PRUNE_U loads in flight.
+// A query's candidates as prune visits them: keys(f) calls f(key, valid) and
+// pairs(f) calls f(key, index, valid) for every candidate of the calling
+// thread, making the same calls in every lane of a warp (f may be
+// warp-collective).
+//
+// StoredCandidates reads the buffer (global memory) on every visit, PRUNE_U
+// candidates per thread per round so that several loads are in flight.
 constexpr int PRUNE_U = 4;
+struct StoredCandidates {
+    const u32* bits;
+    const u32* idx;
+    u32 n;
+    template <typename F>
+    __device__ void keys(F&& f) const {
+        for (u32 base = 0; base < n; base += PRUNE_U * THREADS) {
+            u32 b[PRUNE_U];
+            #pragma unroll
+            for (int u = 0; u < PRUNE_U; ++u) b[u] = bits[min(base + u * THREADS + threadIdx.x, n - 1)];
+            #pragma unroll
+            for (int u = 0; u < PRUNE_U; ++u) f(score_key(b[u]), base + u * THREADS + threadIdx.x < n);
+        }
+    }
+    template <typename F>
+    __device__ void pairs(F&& f) const {
+        for (u32 base = 0; base < n; base += PRUNE_U * THREADS) {
+            u32 b[PRUNE_U], x[PRUNE_U];
+            #pragma unroll
+            for (int u = 0; u < PRUNE_U; ++u) {
+                const u32 i = min(base + u * THREADS + threadIdx.x, n - 1);  // past the end: a repeat load
+                b[u] = bits[i];
+                x[u] = idx[i];
+            }
+            #pragma unroll
+            for (int u = 0; u < PRUNE_U; ++u) f(score_key(b[u]), x[u], base + u * THREADS + threadIdx.x < n);
+        }
+    }
+};
 
-// Cut query qi's candidates back to its top k (score key, then lower index).
-__device__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k) {
-    const u32 n = sh.count[qi];
-    const u32* bits = buf.bits + buf.at(sh.flip[qi], qi);
-    const u32* idx = buf.idx + buf.at(sh.flip[qi], qi);
-    u32* dst_bits = buf.bits + buf.at(sh.flip[qi] ^ 1, qi);
-    u32* dst_idx = buf.idx + buf.at(sh.flip[qi] ^ 1, qi);
+// HeldCandidates loads a buffer of at most HELD * THREADS candidates into
+// registers once (all loads in flight together) and visits them there: k up
+// to 2528 at the default buffer of 2k + 64. Thread t holds candidates
+// u * THREADS + t.
+constexpr int HELD = 40;
+struct HeldCandidates {
+    u32 key[HELD], idx[HELD];
+    u32 n;
+    __device__ HeldCandidates(const u32* bits, const u32* index, u32 count) : n(count) {
+        #pragma unroll
+        for (int u = 0; u < HELD; ++u) {
+            const u32 i = u * THREADS + threadIdx.x;
+            key[u] = i < n ? score_key(bits[i]) : 0u;
+            idx[u] = i < n ? index[i] : 0u;
+        }
+    }
+    template <typename F>
+    __device__ void keys(F&& f) const {
+        #pragma unroll
+        for (int u = 0; u < HELD; ++u)
+            if (u * THREADS < n) f(key[u], u * THREADS + threadIdx.x < n);  // whole rounds only: uniform
+    }
+    template <typename F>
+    __device__ void pairs(F&& f) const {
+        #pragma unroll
+        for (int u = 0; u < HELD; ++u)
+            if (u * THREADS < n) f(key[u], idx[u], u * THREADS + threadIdx.x < n);
+    }
+};
+
+// The visits block_kth_largest_of makes: every candidate's key; the
+// complemented index of every candidate whose key equals `thr`.
+template <typename C>
+struct CandidateKeys {
+    const C& c;
+    template <typename F>
+    __device__ void operator()(F&& f) const { c.keys(f); }
+};
+template <typename C>
+struct TiedIndices {
+    const C& c;
+    u32 thr;
+    template <typename F>
+    __device__ void operator()(F&& f) const {
+        c.pairs([&](u32 key, u32 index, bool valid) { f(~index, valid && key == thr); });
+    }
+};
+
+// Cut query qi's n > k candidates `c` back to its top k (score key, then
+// lower index) into the other half of its buffer, and raise its threshold.
+template <typename C>
+__device__ void prune_from(GroupShared& sh, const C& c, u32* dst_bits, u32* dst_idx, int qi, u32 k) {
     u32 above, ties_total;
-    const u32 thr = block_kth_largest<u32, 32, PRUNE_U>([&](u32 i) { return score_key(bits[i]); },
-                                                        [](u32) { return true; }, n, k, sh.hist, sh.scratch,
-                                                        sh.found, &above, &ties_total);
+    const u32 thr = block_kth_largest_of<u32, 32>(CandidateKeys<C>{c}, k, sh.hist, sh.scratch, sh.found, &above,
+                                                  &ties_total);
     const u32 need = k - above;
     u32 max_tie_idx = 0xFFFFFFFFu;
     if (ties_total > need) {  // keep the `need` lowest indices among the ties
         u32 unused;
-        max_tie_idx = ~block_kth_largest<u32, 32, PRUNE_U>([&](u32 i) { return ~idx[i]; },
-                                                           [&](u32 i) { return score_key(bits[i]) == thr; }, n,
-                                                           need, sh.hist, sh.scratch, sh.found, &unused);
+        max_tie_idx = ~block_kth_largest_of<u32, 32>(TiedIndices<C>{c, thr}, need, sh.hist, sh.scratch, sh.found,
+                                                     &unused);
     }
     if (threadIdx.x == 0) sh.next_slot = 0;
     __syncthreads();
-    for (u32 base = 0; base < n; base += PRUNE_U * THREADS) {
-        u32 b[PRUNE_U], x[PRUNE_U];
-        #pragma unroll
-        for (int u = 0; u < PRUNE_U; ++u) {
-            const u32 i = min(base + u * THREADS + threadIdx.x, n - 1);  // past the end: a repeat load
-            b[u] = bits[i];
-            x[u] = idx[i];
+    c.pairs([&](u32 key, u32 index, bool valid) {
+        const bool keep = valid && (key > thr || (key == thr && index <= max_tie_idx));
+        const u32 slot = warp_append(&sh.next_slot, keep);
+        if (keep) {
+            dst_bits[slot] = key_to_bits(key);
+            dst_idx[slot] = index;
         }
-        #pragma unroll
-        for (int u = 0; u < PRUNE_U; ++u) {
-            const u32 key = score_key(b[u]);
-            const bool keep = base + u * THREADS + threadIdx.x < n &&
-                              (key > thr || (key == thr && x[u] <= max_tie_idx));
-            const u32 slot = warp_append(&sh.next_slot, keep);
-            if (keep) {
-                dst_bits[slot] = b[u];
-                dst_idx[slot] = x[u];
-            }
-        }
-    }
+    });
     __syncthreads();
     if (threadIdx.x == 0) {
         sh.count[qi] = k;
@@ -258,6 +323,21 @@ __device__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k) {
         sh.flip[qi] ^= 1;
     }
     __syncthreads();
+}
+
+// Cut query qi's candidates back to its top k. Not inlined: ptxas takes
+// about 50 times longer on the kernel with the held prune inlined at both
+// callers (measured with nvcc 13.0: 78 s against 1.5 s).
+__device__ __noinline__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k) {
+    const u32 n = sh.count[qi];
+    const u32* bits = buf.bits + buf.at(sh.flip[qi], qi);
+    const u32* idx = buf.idx + buf.at(sh.flip[qi], qi);
+    u32* dst_bits = buf.bits + buf.at(sh.flip[qi] ^ 1, qi);
+    u32* dst_idx = buf.idx + buf.at(sh.flip[qi] ^ 1, qi);
+    if (n <= HELD * THREADS)
+        prune_from(sh, HeldCandidates(bits, idx, n), dst_bits, dst_idx, qi, k);
+    else
+        prune_from(sh, StoredCandidates{bits, idx, n}, dst_bits, dst_idx, qi, k);
 }
 
 // Sort query qi's kept candidates (at most k) and write its output row.
@@ -323,12 +403,16 @@ __device__ bool next_group(GroupShared& sh, const Problem& p, int* work_counter,
     return true;
 }
 
-// Stream the key tiles of the current group; `consume(s0, owned)` sees each
+// Stream the key tiles of the current group. `consume(s0, owned)` sees each
 // tile: owned[m][rr] is the score of query qi = 4 * m + (lane & 3), where
-// qi < TQ, and key s0 + key_row(rr). consume must not touch the key stages.
-template <typename Consume>
+// qi < TQ, and key s0 + key_row(rr); it must not touch the key stages or
+// block-wide barriers, and returns a flag. When any thread's flag from
+// consume(j - 1) was set, `settle()` runs (all threads, block-wide barriers
+// allowed) after consume(j - 1) and before consume(j), at a point where no
+// products are in flight, so it has the accumulators' registers to itself.
+template <typename Consume, typename Settle>
 __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q_tile, unsigned char* k_tiles,
-                             const float* w_s, Consume&& consume) {
+                             const float* w_s, Consume&& consume, Settle&& settle) {
     int first = 0x7FFFFFFF, last = 0;
     for (int qi = 0; qi < TQ; ++qi)
         if (sh.hi[qi] > sh.lo[qi]) {
@@ -351,12 +435,15 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
         fence_proxy_async();
         __syncthreads();
         issue_tile(acc_lo, acc_hi, k_tiles, q_tile);
+        int flag = 0;
         for (int j = 0;; ++j) {
             float owned[OWNED][2];
             tile_scores(acc_lo, acc_hi, w_s, owned);
             cp_async_wait<STAGES - 2>();  // key tile j + 1, where there is one
             fence_proxy_async();
-            __syncthreads();  // every warp is past tile j's groups and consume(j - 1)
+            // Every warp is past tile j's groups and consume(j - 1); the
+            // barrier ORs consume(j - 1)'s flags.
+            if (__syncthreads_or(flag)) settle();
             if (j + 1 == n_tiles) {  // the last tile: nothing left to overlap
                 consume(begin + j * KT, owned);
                 break;
@@ -364,7 +451,7 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
             issue_tile(acc_lo, acc_hi, k_tiles + ((j + 1) % STAGES) * K_BYTES, q_tile);
             if (j + STAGES < n_tiles) load_key_tile(k_tiles, p, begin, j + STAGES);  // into tile j's stage
             else cp_async_commit();
-            consume(begin + j * KT, owned);  // overlaps tile j + 1's products
+            flag = consume(begin + j * KT, owned);  // overlaps tile j + 1's products
         }
     }
     cp_async_wait<0>();
@@ -381,6 +468,21 @@ __device__ __forceinline__ unsigned char* aligned_dynamic_smem() {
 
 __device__ __forceinline__ int key_row(int rr) { return 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2) + 8 * rr; }
 
+// The visible key ranges [lo, hi) of the queries this lane owns (4 * m +
+// quad; empty past TQ), held in registers for the whole group.
+struct OwnedRanges {
+    int lo[OWNED], hi[OWNED];
+    __device__ explicit OwnedRanges(const GroupShared& sh) {
+        #pragma unroll
+        for (int m = 0; m < OWNED; ++m) {
+            const int qi = 4 * m + (int)(threadIdx.x & 3);
+            lo[m] = qi < TQ ? sh.lo[qi] : 0;
+            hi[m] = qi < TQ ? sh.hi[qi] : 0;
+        }
+    }
+    __device__ bool visible(int m, int s) const { return s >= lo[m] && s < hi[m]; }
+};
+
 __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers buf, int* out_idx,
                          float* out_scores) {
     __shared__ GroupShared sh;
@@ -393,26 +495,37 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
     const u32 k = (u32)topk;
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
-        stream_group(sh, p, q_tile, k_tiles, w_s, [&](int s0, const float (&owned)[OWNED][2]) {
+        const OwnedRanges range(sh);
+        // Appends: a score enters when its key beats the threshold; the flag
+        // says a buffer could not take another tile (count + KT > cap), and
+        // settle cuts those back to k before the next tile's appends.
+        auto append = [&](int s0, const float (&owned)[OWNED][2]) {
+            int full = 0;
             #pragma unroll
             for (int m = 0; m < OWNED; ++m) {
-                const int qi = 4 * m + (int)(threadIdx.x & 3);  // each quad lane owns every fourth query
+                const int qi = 4 * m + (int)(threadIdx.x & 3);
                 if (qi >= TQ) continue;
+                const u32 thr = sh.thr[qi];
                 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     const int s = s0 + key_row(rr);
                     const u32 bits = __float_as_uint(owned[m][rr]);
-                    if (s >= sh.lo[qi] && s < sh.hi[qi] && score_key(bits) > sh.thr[qi]) {
+                    if (range.visible(m, s) && score_key(bits) > thr) {
                         const u32 slot = atomicAdd(&sh.count[qi], 1u);
                         buf.bits[buf.at(sh.flip[qi], qi) + slot] = bits;
                         buf.idx[buf.at(sh.flip[qi], qi) + slot] = (u32)s;
+                        full |= slot + 1 + KT > (u32)buf.cap;
                     }
                 }
             }
-            __syncthreads();
+            return full;
+        };
+        auto settle = [&]() {
             for (int qi = 0; qi < TQ; ++qi)
                 if (sh.count[qi] + KT > (u32)buf.cap) prune(sh, buf, qi, k);
-        });
+            __syncthreads();  // every thread has read the counts before the next appends
+        };
+        stream_group(sh, p, q_tile, k_tiles, w_s, append, settle);
         for (int qi = 0; qi < TQ && t0 + qi < p.n_q; ++qi)
             write_selection(sh, buf, qi, k, k_tiles, out_idx + (size_t)(t0 + qi) * topk,
                             out_scores ? out_scores + (size_t)(t0 + qi) * topk : nullptr);
@@ -427,21 +540,23 @@ __device__ void scores_cta(const Problem& p, int* work_counter, float* table) {
     float* w_s = reinterpret_cast<float*>(smem + Q_BYTES + STAGES * K_BYTES);
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
-        stream_group(sh, p, q_tile, k_tiles, w_s, [&](int s0, const float (&owned)[OWNED][2]) {
+        const OwnedRanges range(sh);
+        auto store = [&](int s0, const float (&owned)[OWNED][2]) {
             #pragma unroll
             for (int m = 0; m < OWNED; ++m) {
                 const int qi = 4 * m + (int)(threadIdx.x & 3);
-                if (qi >= TQ) continue;
+                if (qi >= TQ || t0 + qi >= p.n_q) continue;
                 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     const int s = s0 + key_row(rr);
-                    if (t0 + qi < p.n_q && s < p.n_k) {
-                        const bool visible = s >= sh.lo[qi] && s < sh.hi[qi];
-                        table[(size_t)(t0 + qi) * p.n_k + s] = visible ? owned[m][rr] : __uint_as_float(NEG_INF_BITS);
-                    }
+                    if (s < p.n_k)
+                        table[(size_t)(t0 + qi) * p.n_k + s] =
+                            range.visible(m, s) ? owned[m][rr] : __uint_as_float(NEG_INF_BITS);
                 }
             }
-        });
+            return 0;
+        };
+        stream_group(sh, p, q_tile, k_tiles, w_s, store, []() {});
     }
 }
 

@@ -144,16 +144,16 @@ __device__ int block_find_bucket(const u32* hist, int n_bins, u32 rank, u32* scr
     return bucket;
 }
 
-// The rank-th largest (rank from 1) of the WIDTH-bit keys key_of(i) (type K)
-// over the i < n with member(i); `*above` gets how many such keys exceed it
-// and `*equal` (when given) how many equal it. An MSB-first radix select with
-// DIGIT_BITS-bit digits, one pass per digit; each thread reads U elements
-// per round, all before it counts any (U > 1 keeps several slow loads, of
-// keys in global memory, in flight). `hist` holds MAX_BINS words,
-// `scratch` MAX_WARPS + 1, `found` 2.
-template <typename K = u32, int WIDTH = 32, int U = 1, typename KeyFn, typename MemberFn>
-__device__ K block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank, u32* hist, u32* scratch,
-                               u32* found, u32* above, u32* equal = nullptr) {
+// The rank-th largest (rank from 1) of a block's WIDTH-bit keys (type K);
+// `*above` gets how many keys exceed it and `*equal` (when given) how many
+// equal it. An MSB-first radix select with DIGIT_BITS-bit digits, one pass per
+// digit. Each pass calls visit(f), which must call f(key, member) for every
+// key the thread holds (member = false for slots that hold none); every lane
+// of a warp must make the same number of calls (f is warp-collective).
+// `hist` holds MAX_BINS words, `scratch` MAX_WARPS + 1, `found` 2.
+template <typename K, int WIDTH, typename Visit>
+__device__ K block_kth_largest_of(Visit visit, u32 rank, u32* hist, u32* scratch, u32* found, u32* above,
+                                  u32* equal = nullptr) {
     static_assert(WIDTH <= 8 * (int)sizeof(K), "keys wider than their type");
     K prefix = 0;
     u32 above_total = 0;
@@ -164,20 +164,10 @@ __device__ K block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank, u
         const int shift = WIDTH - resolved - digit;
         for (int i = threadIdx.x; i < (1 << digit); i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        for (u32 base = 0; base < n; base += U * blockDim.x) {
-            K key[U];
-            bool in_prefix[U];
-            #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const u32 i = base + u * blockDim.x + threadIdx.x;
-                const bool valid = i < n && member(i);
-                key[u] = valid ? key_of(i) : (K)0;
-                in_prefix[u] = valid && (resolved == 0 || (key[u] >> (WIDTH - resolved)) == prefix);
-            }
-            #pragma unroll
-            for (int u = 0; u < U; ++u)
-                warp_histogram_add(hist, (u32)(key[u] >> shift) & ((1u << digit) - 1), in_prefix[u]);
-        }
+        visit([&](K key, bool member) {
+            const bool in_prefix = member && (resolved == 0 || (key >> (WIDTH - resolved)) == prefix);
+            warp_histogram_add(hist, (u32)(key >> shift) & ((1u << digit) - 1), in_prefix);
+        });
         __syncthreads();
         u32 above_here;
         bucket = block_find_bucket(hist, 1 << digit, rank, scratch, found, &above_here);
@@ -192,6 +182,41 @@ __device__ K block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank, u
     }
     *above = above_total;
     return prefix;
+}
+
+// The keys key_of(i) of the i < n with member(i), as block_kth_largest_of
+// visits them: read by index on every pass, each thread U elements per
+// round, all before it counts any (U > 1 keeps several slow loads, of keys in
+// global memory, in flight). A functor, not a generic lambda: NVRTC compiles
+// those as host code.
+template <typename K, int U, typename KeyFn, typename MemberFn>
+struct IndexedKeys {
+    KeyFn key_of;
+    MemberFn member;
+    u32 n;
+    template <typename Count>
+    __device__ void operator()(Count&& count) const {
+        for (u32 base = 0; base < n; base += U * blockDim.x) {
+            K key[U];
+            bool valid[U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 i = base + u * blockDim.x + threadIdx.x;
+                valid[u] = i < n && member(i);
+                key[u] = valid[u] ? key_of(i) : (K)0;
+            }
+            #pragma unroll
+            for (int u = 0; u < U; ++u) count(key[u], valid[u]);
+        }
+    }
+};
+
+// block_kth_largest_of over the keys key_of(i) of the i < n with member(i).
+template <typename K = u32, int WIDTH = 32, int U = 1, typename KeyFn, typename MemberFn>
+__device__ K block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank, u32* hist, u32* scratch,
+                               u32* found, u32* above, u32* equal = nullptr) {
+    return block_kth_largest_of<K, WIDTH>(IndexedKeys<K, U, KeyFn, MemberFn>{key_of, member, n}, rank, hist,
+                                          scratch, found, above, equal);
 }
 
 // In-place bitonic sort of n (a power of two) (key, idx) pairs in shared

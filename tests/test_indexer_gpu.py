@@ -83,13 +83,16 @@ def test_query_shards_and_rising_scores():
         np.testing.assert_array_equal(to_host(shard), full[start:stop])
 
 
+@pytest.mark.parametrize("repeat_keys", [False, True], ids=["distinct", "repeated_keys"])
 @pytest.mark.parametrize("buffer_ks", [2, 3])
-def test_long_sequence_with_many_prunes(monkeypatch, buffer_ks):
-    """The buffer size only decides when prunes happen, never what is selected."""
+def test_long_sequence_with_many_prunes(monkeypatch, buffer_ks, repeat_keys):
+    """The buffer size only decides when prunes happen, never what is selected. At k = 2048 a
+    buffer of 2k + 64 is pruned from registers, one of 3k + 64 from global memory; with every
+    third key repeated, ties straddle the k-th score in many prunes."""
     from hyscale_core.ops.indexer import gpu
 
     monkeypatch.setattr(gpu, "BUFFER_KS", buffer_ks)
-    (q, k, w), _ = device_inputs(8192, 8192, 64, 128, seed=3)
+    (q, k, w), _ = device_inputs(8192, 8192, 64, 128, seed=3, repeat_keys=repeat_keys)
     np.testing.assert_array_equal(to_host(hs.indexer_topk(q, k, w, 2048)),
                                   materialised(hs.indexer_scores(q, k, w), 2048))
 
