@@ -206,13 +206,12 @@ struct Buffers {
     __device__ __forceinline__ size_t at(int flip, int qi) const { return ((size_t)flip * TQ + qi) * cap; }
 };
 
-// A query's candidates as prune visits them: keys(f) calls f(key, valid) and
-// pairs(f) calls f(key, index, valid) for every candidate of the calling
-// thread, making the same calls in every lane of a warp (f may be
-// warp-collective).
-//
-// StoredCandidates reads the buffer (global memory) on every visit, PRUNE_U
-// candidates per thread per round so that several loads are in flight.
+// A query's candidates as a prune visits them in its buffer (global memory):
+// keys(f) calls f(key, valid) and pairs(f) calls f(key, index, valid) for
+// every candidate of the calling thread, making the same calls in every lane
+// of a warp (f may be warp-collective). Every visit reads the buffer again,
+// PRUNE_U candidates per thread per round so that several loads are in
+// flight.
 constexpr int PRUNE_U = 4;
 struct StoredCandidates {
     const u32* bits;
@@ -244,10 +243,70 @@ struct StoredCandidates {
     }
 };
 
-// HeldCandidates loads a buffer of at most HELD * THREADS candidates into
-// registers once (all loads in flight together) and visits them there: k up
-// to 2528 at the default buffer of 2k + 64. Thread t holds candidates
-// u * THREADS + t.
+// The visits block_kth_largest_of makes: every candidate's key; the
+// complemented index of every candidate whose key equals `thr`.
+template <typename C>
+struct CandidateKeys {
+    const C& c;
+    template <typename F>
+    __device__ void operator()(F&& f) const { c.keys(f); }
+};
+struct TiedIndices {
+    const StoredCandidates& c;
+    u32 thr;
+    template <typename F>
+    __device__ void operator()(F&& f) const {
+        c.pairs([&](u32 key, u32 index, bool valid) { f(~index, valid && key == thr); });
+    }
+};
+
+// The largest index kept among the candidates whose key is the k-th's
+// (`thr`): of `ties` such candidates, `need` are kept, the lowest indices.
+__device__ u32 max_kept_tie(GroupShared& sh, const StoredCandidates& c, u32 thr, u32 need, u32 ties) {
+    if (ties <= need) return 0xFFFFFFFFu;
+    u32 unused;
+    return ~block_kth_largest_of<u32, 32>(TiedIndices{c, thr}, need, sh.hist, sh.scratch, sh.found, &unused);
+}
+
+// The last step of every prune: query qi holds its top k in the other half
+// of its buffer, above threshold key `thr`.
+__device__ void prune_done(GroupShared& sh, int qi, u32 k, u32 thr) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        sh.count[qi] = k;
+        sh.thr[qi] = thr;
+        sh.flip[qi] ^= 1;
+    }
+    __syncthreads();
+}
+
+// Cut query qi's n > k candidates `c` back to its top k (score key, then
+// lower index) into dst, reading the buffer on every pass.
+__device__ void prune_stored(GroupShared& sh, const StoredCandidates& c, u32* dst_bits, u32* dst_idx, int qi,
+                             u32 k) {
+    u32 above, ties;
+    const u32 thr = block_kth_largest_of<u32, 32>(CandidateKeys<StoredCandidates>{c}, k, sh.hist, sh.scratch,
+                                                  sh.found, &above, &ties);
+    const u32 max_tie_idx = max_kept_tie(sh, c, thr, k - above, ties);
+    if (threadIdx.x == 0) sh.next_slot = 0;
+    __syncthreads();
+    c.pairs([&](u32 key, u32 index, bool valid) {
+        const bool keep = valid && (key > thr || (key == thr && index <= max_tie_idx));
+        const u32 slot = warp_append(&sh.next_slot, keep);
+        if (keep) {
+            dst_bits[slot] = key_to_bits(key);
+            dst_idx[slot] = index;
+        }
+    });
+    prune_done(sh, qi, k, thr);
+}
+
+// The same cut for a buffer of at most HELD * THREADS candidates (k up to
+// 2528 at the default buffer of 2k + 64), loaded into registers once, all
+// loads in flight together: thread t holds candidates u * THREADS + t. The
+// passes skip the high bits every key shares (block minimum and maximum),
+// so the first one spreads over the bins. Kept small: a prune's code evicts
+// the tile loop of both CTAs on the SM from the instruction cache.
 constexpr int HELD = 40;
 struct HeldCandidates {
     u32 key[HELD], idx[HELD];
@@ -260,84 +319,58 @@ struct HeldCandidates {
             idx[u] = i < n ? index[i] : 0u;
         }
     }
+    __device__ bool holds(int u) const { return u * THREADS + threadIdx.x < n; }
+    __device__ bool round_empty(int u) const { return u * THREADS >= n; }  // the same in every thread
     template <typename F>
     __device__ void keys(F&& f) const {
         #pragma unroll
-        for (int u = 0; u < HELD; ++u)
-            if (u * THREADS < n) f(key[u], u * THREADS + threadIdx.x < n);  // whole rounds only: uniform
-    }
-    template <typename F>
-    __device__ void pairs(F&& f) const {
-        #pragma unroll
-        for (int u = 0; u < HELD; ++u)
-            if (u * THREADS < n) f(key[u], idx[u], u * THREADS + threadIdx.x < n);
+        for (int u = 0; u < HELD && !round_empty(u); ++u) f(key[u], holds(u));
     }
 };
 
-// The visits block_kth_largest_of makes: every candidate's key; the
-// complemented index of every candidate whose key equals `thr`.
-template <typename C>
-struct CandidateKeys {
-    const C& c;
-    template <typename F>
-    __device__ void operator()(F&& f) const { c.keys(f); }
-};
-template <typename C>
-struct TiedIndices {
-    const C& c;
-    u32 thr;
-    template <typename F>
-    __device__ void operator()(F&& f) const {
-        c.pairs([&](u32 key, u32 index, bool valid) { f(~index, valid && key == thr); });
-    }
-};
-
-// Cut query qi's n > k candidates `c` back to its top k (score key, then
-// lower index) into the other half of its buffer, and raise its threshold.
-template <typename C>
-__device__ void prune_from(GroupShared& sh, const C& c, u32* dst_bits, u32* dst_idx, int qi, u32 k) {
-    u32 above, ties_total;
-    const u32 thr = block_kth_largest_of<u32, 32>(CandidateKeys<C>{c}, k, sh.hist, sh.scratch, sh.found, &above,
-                                                  &ties_total);
-    const u32 need = k - above;
-    u32 max_tie_idx = 0xFFFFFFFFu;
-    if (ties_total > need) {  // keep the `need` lowest indices among the ties
-        u32 unused;
-        max_tie_idx = ~block_kth_largest_of<u32, 32>(TiedIndices<C>{c, thr}, need, sh.hist, sh.scratch, sh.found,
-                                                     &unused);
-    }
-    if (threadIdx.x == 0) sh.next_slot = 0;
-    __syncthreads();
-    c.pairs([&](u32 key, u32 index, bool valid) {
-        const bool keep = valid && (key > thr || (key == thr && index <= max_tie_idx));
-        const u32 slot = warp_append(&sh.next_slot, keep);
-        if (keep) {
-            dst_bits[slot] = key_to_bits(key);
-            dst_idx[slot] = index;
+__device__ void prune_held(GroupShared& sh, const StoredCandidates& stored, u32* dst_bits, u32* dst_idx, int qi,
+                           u32 k) {
+    const HeldCandidates c(stored.bits, stored.idx, stored.n);
+    u32 lo = 0xFFFFFFFFu, hi = 0;
+    #pragma unroll
+    for (int u = 0; u < HELD && !c.round_empty(u); ++u)
+        if (c.holds(u)) {
+            lo = min(lo, c.key[u]);
+            hi = max(hi, c.key[u]);
         }
-    });
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        sh.count[qi] = k;
-        sh.thr[qi] = thr;
-        sh.flip[qi] ^= 1;
-    }
-    __syncthreads();
+    block_min_max(lo, hi, sh.hist, &lo, &hi);  // hist is free between passes
+    const int known = min(lo == hi ? 32 : __clz(lo ^ hi), 32 - DIGIT_BITS);
+    u32 above, ties;
+    const u32 thr = block_kth_largest_of<u32, 32, false>(CandidateKeys<HeldCandidates>{c}, k, sh.hist, sh.scratch,
+                                                         sh.found, &above, &ties, known,
+                                                         known == 0 ? 0u : hi >> (32 - known));
+    const u32 max_tie_idx = max_kept_tie(sh, stored, thr, k - above, ties);
+    u32 kept = 0;
+    #pragma unroll
+    for (int u = 0; u < HELD && !c.round_empty(u); ++u)
+        kept += c.holds(u) && (c.key[u] > thr || (c.key[u] == thr && c.idx[u] <= max_tie_idx));
+    u32 total;
+    u32 slot = block_exclusive_sum(kept, sh.scratch, &total);
+    #pragma unroll
+    for (int u = 0; u < HELD && !c.round_empty(u); ++u)
+        if (c.holds(u) && (c.key[u] > thr || (c.key[u] == thr && c.idx[u] <= max_tie_idx))) {
+            dst_bits[slot] = key_to_bits(c.key[u]);
+            dst_idx[slot] = c.idx[u];
+            ++slot;
+        }
+    prune_done(sh, qi, k, thr);
 }
 
 // Cut query qi's candidates back to its top k. Not inlined: ptxas takes
-// about 50 times longer on the kernel with the held prune inlined at both
-// callers (measured with nvcc 13.0: 78 s against 1.5 s).
+// far longer on the kernel with a prune inlined at both callers.
 __device__ __noinline__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k) {
-    const u32 n = sh.count[qi];
-    const u32* bits = buf.bits + buf.at(sh.flip[qi], qi);
-    const u32* idx = buf.idx + buf.at(sh.flip[qi], qi);
+    const StoredCandidates c{buf.bits + buf.at(sh.flip[qi], qi), buf.idx + buf.at(sh.flip[qi], qi), sh.count[qi]};
     u32* dst_bits = buf.bits + buf.at(sh.flip[qi] ^ 1, qi);
     u32* dst_idx = buf.idx + buf.at(sh.flip[qi] ^ 1, qi);
-    if (n <= HELD * THREADS)
-        prune_from(sh, HeldCandidates(bits, idx, n), dst_bits, dst_idx, qi, k);
+    if (c.n <= HELD * THREADS)
+        prune_held(sh, c, dst_bits, dst_idx, qi, k);
     else
-        prune_from(sh, StoredCandidates{bits, idx, n}, dst_bits, dst_idx, qi, k);
+        prune_stored(sh, c, dst_bits, dst_idx, qi, k);
 }
 
 // Sort query qi's kept candidates (at most k) and write its output row.

@@ -150,14 +150,19 @@ __device__ int block_find_bucket(const u32* hist, int n_bins, u32 rank, u32* scr
 // digit. Each pass calls visit(f), which must call f(key, member) for every
 // key the thread holds (member = false for slots that hold none); every lane
 // of a warp must make the same number of calls (f is warp-collective).
-// `hist` holds MAX_BINS words, `scratch` MAX_WARPS + 1, `found` 2.
-template <typename K, int WIDTH, typename Visit>
+// When every member key starts with the same `known_bits` high bits
+// (`known_prefix`, at most WIDTH - DIGIT_BITS of them), the passes start below
+// them. AGGREGATE counts a warp whose lanes all hit one bin with one atomic
+// (warp_histogram_add); without it each member adds its own (less code, and
+// as fast where the bins are spread). `hist` holds MAX_BINS words, `scratch`
+// MAX_WARPS + 1, `found` 2.
+template <typename K, int WIDTH, bool AGGREGATE = true, typename Visit>
 __device__ K block_kth_largest_of(Visit visit, u32 rank, u32* hist, u32* scratch, u32* found, u32* above,
-                                  u32* equal = nullptr) {
+                                  u32* equal = nullptr, int known_bits = 0, K known_prefix = 0) {
     static_assert(WIDTH <= 8 * (int)sizeof(K), "keys wider than their type");
-    K prefix = 0;
+    K prefix = known_prefix;
     u32 above_total = 0;
-    int resolved = 0;  // high bits fixed so far
+    int resolved = known_bits;  // high bits fixed so far
     int bucket = 0;
     while (resolved < WIDTH) {
         const int digit = min(DIGIT_BITS, WIDTH - resolved);
@@ -166,7 +171,11 @@ __device__ K block_kth_largest_of(Visit visit, u32 rank, u32* hist, u32* scratch
         __syncthreads();
         visit([&](K key, bool member) {
             const bool in_prefix = member && (resolved == 0 || (key >> (WIDTH - resolved)) == prefix);
-            warp_histogram_add(hist, (u32)(key >> shift) & ((1u << digit) - 1), in_prefix);
+            const u32 bin = (u32)(key >> shift) & ((1u << digit) - 1);
+            if constexpr (AGGREGATE)
+                warp_histogram_add(hist, bin, in_prefix);
+            else if (in_prefix)
+                atomicAdd(&hist[bin], 1u);
         });
         __syncthreads();
         u32 above_here;
