@@ -120,14 +120,25 @@ __device__ __forceinline__ void issue_tile(float (&acc_lo)[64], float (&acc_hi)[
     wgmma_fence_operands(acc_hi);
 }
 
-// Copy `rows` rows of D 16-bit elements (row r from src + r * D) into the
-// swizzled layout; rows at or past `valid_rows` are zero-filled.
-__device__ __forceinline__ void load_rows(unsigned char* dst, const u16* src, int rows, int valid_rows) {
-    constexpr int CHUNKS = D / 8;
-    for (int c = threadIdx.x; c < rows * CHUNKS; c += THREADS) {
-        const int r = c / CHUNKS, chunk = c % CHUNKS;
-        const bool valid = r < valid_rows;
-        cp_async16(dst + swizzled_offset(r, chunk, rows), src + (size_t)(valid ? r : 0) * D + chunk * 8, valid);
+// Copy ROWS rows of D 16-bit elements (row r from src + r * D) into the
+// swizzled layout; rows at or past `valid_rows` are zero-filled. Thread t
+// copies 16-byte chunk t % CHUNKS of rows t / CHUNKS + i * ROW_STEP: the
+// same chunk every round, and a row step of 4 or a multiple of 8 changes
+// row % 8 by a constant XOR, so each copy is a fixed offset from the
+// round-0 addresses (one instruction each, no index arithmetic per copy).
+template <int ROWS>
+__device__ __forceinline__ void load_rows(unsigned char* dst, const u16* src, int valid_rows) {
+    constexpr int CHUNKS = D / 8, ROW_STEP = THREADS / CHUNKS;
+    static_assert(THREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "whole rounds of rows");
+    static_assert(ROW_STEP % 8 == 0 || ROW_STEP == 4, "row % 8 must change by a constant XOR per round");
+    const int chunk = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
+    unsigned char* dst0 = dst + (chunk >> 3) * ROWS * 128 + r0 * 128;
+    const u16* src0 = src + (size_t)r0 * D + chunk * 8;
+    #pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const int swizzle = ((chunk & 7) ^ (r0 & 7) ^ ((i * ROW_STEP) & 7)) << 4;
+        const bool valid = r0 + i * ROW_STEP < valid_rows;
+        cp_async16(dst0 + i * ROW_STEP * 128 + swizzle, valid ? src0 + (size_t)i * ROW_STEP * D : src0, valid);
     }
 }
 
@@ -411,7 +422,7 @@ struct Problem {
 // Load key tile j of the stream starting at key `begin` into its stage and commit it as one group.
 __device__ __forceinline__ void load_key_tile(unsigned char* k_tiles, const Problem& p, int begin, int j) {
     const int s0 = begin + j * KT;
-    load_rows(k_tiles + (j % STAGES) * K_BYTES, p.k + (size_t)s0 * D, KT, min(KT, p.n_k - s0));
+    load_rows<KT>(k_tiles + (j % STAGES) * K_BYTES, p.k + (size_t)s0 * D, min(KT, p.n_k - s0));
     cp_async_commit();
 }
 
@@ -423,7 +434,7 @@ __device__ bool next_group(GroupShared& sh, const Problem& p, int* work_counter,
     const int g = sh.group;
     if (g < 0) return false;
     const int t0 = g * TQ;
-    load_rows(q_tile, p.q + (size_t)t0 * H * D, QROWS, min(TQ, p.n_q - t0) * H);
+    load_rows<QROWS>(q_tile, p.q + (size_t)t0 * H * D, min(TQ, p.n_q - t0) * H);
     cp_async_commit();
     for (int i = threadIdx.x; i < TQ * H; i += THREADS) w_s[i] = t0 * H + i < p.n_q * H ? p.w[(size_t)t0 * H + i] : 0.f;
     if (threadIdx.x < TQ) {
