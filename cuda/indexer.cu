@@ -133,7 +133,8 @@ __device__ __forceinline__ void load_rows(unsigned char* dst, const u16* src, in
     static_assert(ROW_STEP % 8 == 0 || ROW_STEP == 4, "row % 8 must change by a constant XOR per round");
     const int chunk = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
     unsigned char* dst0 = dst + (chunk >> 3) * ROWS * 128 + r0 * 128;
-    const u16* src0 = src + (size_t)r0 * D + chunk * 8;
+    // A zero-fill copy reads nothing; its address still stays in bounds (valid_rows >= 1).
+    const u16* src0 = src + (size_t)min(r0, valid_rows - 1) * D + chunk * 8;
     #pragma unroll
     for (int i = 0; i < ROWS / ROW_STEP; ++i) {
         const int swizzle = ((chunk & 7) ^ (r0 & 7) ^ ((i * ROW_STEP) & 7)) << 4;
