@@ -121,25 +121,35 @@ __device__ __forceinline__ void issue_tile(float (&acc_lo)[64], float (&acc_hi)[
 }
 
 // Copy ROWS rows of D 16-bit elements (row r from src + r * D) into the
-// swizzled layout; rows at or past `valid_rows` are zero-filled. Thread t
-// copies 16-byte chunk t % CHUNKS of rows t / CHUNKS + i * ROW_STEP: the
+// swizzled layout; rows at or past `valid_rows` (>= 1) are zero-filled.
+// Where a row's CHUNKS 16-byte chunks divide THREADS (D = 64, 128, 256),
+// thread t copies chunk t % CHUNKS of rows t / CHUNKS + i * ROW_STEP: the
 // same chunk every round, and a row step of 4 or a multiple of 8 changes
 // row % 8 by a constant XOR, so each copy is a fixed offset from the
 // round-0 addresses (one instruction each, no index arithmetic per copy).
+// Otherwise (D = 192) chunk c goes to thread c % THREADS.
 template <int ROWS>
 __device__ __forceinline__ void load_rows(unsigned char* dst, const u16* src, int valid_rows) {
-    constexpr int CHUNKS = D / 8, ROW_STEP = THREADS / CHUNKS;
-    static_assert(THREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "whole rounds of rows");
-    static_assert(ROW_STEP % 8 == 0 || ROW_STEP == 4, "row % 8 must change by a constant XOR per round");
-    const int chunk = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
-    unsigned char* dst0 = dst + (chunk >> 3) * ROWS * 128 + r0 * 128;
-    // A zero-fill copy reads nothing; its address still stays in bounds (valid_rows >= 1).
-    const u16* src0 = src + (size_t)min(r0, valid_rows - 1) * D + chunk * 8;
-    #pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const int swizzle = ((chunk & 7) ^ (r0 & 7) ^ ((i * ROW_STEP) & 7)) << 4;
-        const bool valid = r0 + i * ROW_STEP < valid_rows;
-        cp_async16(dst0 + i * ROW_STEP * 128 + swizzle, valid ? src0 + (size_t)i * ROW_STEP * D : src0, valid);
+    constexpr int CHUNKS = D / 8;
+    static_assert(ROWS * CHUNKS % THREADS == 0, "whole rounds of chunks");
+    constexpr int ROW_STEP = THREADS / CHUNKS;
+    if constexpr (THREADS % CHUNKS == 0 && (ROW_STEP % 8 == 0 || ROW_STEP == 4)) {
+        const int chunk = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
+        unsigned char* dst0 = dst + (chunk >> 3) * ROWS * 128 + r0 * 128;
+        // A zero-fill copy reads nothing; its address still stays in bounds.
+        const u16* src0 = src + (size_t)min(r0, valid_rows - 1) * D + chunk * 8;
+        #pragma unroll
+        for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+            const int swizzle = ((chunk & 7) ^ (r0 & 7) ^ ((i * ROW_STEP) & 7)) << 4;
+            const bool valid = r0 + i * ROW_STEP < valid_rows;
+            cp_async16(dst0 + i * ROW_STEP * 128 + swizzle, valid ? src0 + (size_t)i * ROW_STEP * D : src0, valid);
+        }
+    } else {
+        for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+            const int r = c / CHUNKS, chunk = c % CHUNKS;
+            const bool valid = r < valid_rows;
+            cp_async16(dst + swizzled_offset(r, chunk, ROWS), src + (size_t)(valid ? r : 0) * D + chunk * 8, valid);
+        }
     }
 }
 

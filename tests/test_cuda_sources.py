@@ -56,12 +56,7 @@ def _nvrtc_library():
 _NVRTC = _nvrtc_library()
 
 
-@pytest.mark.skipif(_NVRTC is None, reason="libnvrtc not found")
-@pytest.mark.parametrize("source", [p.name for p in source_files()])
-def test_source_compiles_with_nvrtc(source):
-    """The runtime compiles every source with NVRTC (hyscale_core/gpu/module.py's
-    options), whose JIT mode rejects some code nvcc takes (a generic lambda is
-    a host function there)."""
+def _nvrtc_compile(source: str, defines: tuple[str, ...] = ()) -> None:
     import ctypes
 
     folder = cuda_source_dir()
@@ -69,6 +64,7 @@ def test_source_compiles_with_nvrtc(source):
     assert _NVRTC.nvrtcCreateProgram(ctypes.byref(program), (folder / source).read_bytes(), source.encode(), 0,
                                      None, None) == 0
     options = [b"-std=c++17", b"-I" + str(folder).encode(), b"--gpu-architecture=sm_90a"]
+    options += [f"-D{d}".encode() for d in defines]
     try:
         status = _NVRTC.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
         size = ctypes.c_size_t()
@@ -78,3 +74,20 @@ def test_source_compiles_with_nvrtc(source):
     finally:
         _NVRTC.nvrtcDestroyProgram(ctypes.byref(program))
     assert status == 0, log.value.decode(errors="replace")
+
+
+@pytest.mark.skipif(_NVRTC is None, reason="libnvrtc not found")
+@pytest.mark.parametrize("source", [p.name for p in source_files()])
+def test_source_compiles_with_nvrtc(source):
+    """The runtime compiles every source with NVRTC (hyscale_core/gpu/module.py's
+    options), whose JIT mode rejects some code nvcc takes (a generic lambda is
+    a host function there)."""
+    _nvrtc_compile(source)
+
+
+@pytest.mark.skipif(_NVRTC is None, reason="libnvrtc not found")
+@pytest.mark.parametrize("dim", [64, 192, 256])
+def test_indexer_compiles_for_every_head_dim_it_accepts(dim):
+    """ops/indexer/gpu.py sends every head dim that is a multiple of 64 up to
+    256 to cuda/indexer.cu (the default build above is D = 128)."""
+    _nvrtc_compile("indexer.cu", ("HS_IDX_HEADS=64", f"HS_IDX_DIM={dim}"))

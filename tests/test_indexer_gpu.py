@@ -55,7 +55,7 @@ MASKS = {
 }
 
 
-@pytest.mark.parametrize("heads, dim", [(64, 128), (32, 128), (128, 64), (8, 64)])
+@pytest.mark.parametrize("heads, dim", [(64, 128), (32, 128), (128, 64), (8, 64), (64, 192), (16, 256)])
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("topk", [1, 7, 64, 2048])
 def test_streaming_equals_materialised(heads, dim, mask, topk):
