@@ -97,6 +97,22 @@ def test_long_sequence_with_many_prunes(monkeypatch, buffer_ks, repeat_keys):
                                   materialised(hs.indexer_scores(q, k, w), 2048))
 
 
+def test_every_score_tied():
+    """q = 0: every visible key scores exactly 0, so every prune cuts a buffer of
+    candidates that share all their bits and keeps the lowest indices."""
+    import cupy
+
+    (_, k, w), (host_q, _, _) = device_inputs(1000, 1000, 64, 128, seed=7)
+    q = cupy.asarray(np.zeros(host_q.shape, dtype=host_q.dtype))
+    for mask in MASKS:
+        table = hs.indexer_scores(q, k, w, **MASKS[mask])
+        host_table = to_host(table)
+        assert (host_table[np.isfinite(host_table)] == 0).all()
+        for topk in (1, 7, 64):
+            np.testing.assert_array_equal(to_host(hs.indexer_topk(q, k, w, topk, **MASKS[mask])),
+                                          materialised(table, topk), err_msg=f"{mask} topk={topk}")
+
+
 def test_scores_match_float64_reference_and_cpu_selection():
     (q, k, w), (hq, hk, hw) = device_inputs(512, 512, 64, 128, seed=4)
     scores = to_host(hs.indexer_scores(q, k, w))
