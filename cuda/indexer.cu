@@ -3,42 +3,36 @@
 //
 //   I[t, s] = sum_h w[t, h] * relu(dot(q[t, h, :], k[s, :]))
 //
-// A CTA (one per SM, persistent, groups handed out longest first) owns a
-// group of TQ = QROWS / H queries at a time and keeps their QROWS query rows
-// in shared memory as the B operand of wgmma. Its two warpgroups split the
-// group's key tiles of 64 rows (the A operand): warpgroup w takes tiles
-// 2 j + w, each through its own two-stage cp.async pipeline. The
+// A CTA is one warpgroup. It owns a group of TQ = 256 / H queries at a time
+// (persistent grid, groups handed out longest first) and keeps their TQ * H
+// query rows in shared memory as the B operand of wgmma; key tiles of 64 rows
+// stream through a two-stage cp.async pipeline as the A operand. The
 // accumulator row is a key, the column a (query, head) pair, so the head sum
 // is a per-thread sum over its columns plus a two-step quad butterfly.
 //
-// Schedule: a tile's QROWS columns are two wgmma groups, the low half
+// Schedule: a tile's 256 columns are two m64n128k16 groups, the low half
 // (acc_lo) committed before the high half (acc_hi); the low half's head sums
 // run while the high half is in flight. With tile j's scores in registers,
-// a warpgroup issues its next tile's groups and refills tile j's stage; only
-// then does tile j's consume (selection or table write) run, so it overlaps
-// the products. The warpgroups take turns to issue (named barriers: each
-// issues only after the other has issued its previous tile), so the tensor
-// cores run one warpgroup's tile while the other sums and selects, instead
-// of both waiting out their sums together. Contracts: consume reads neither
-// the key stages nor the accumulators, and each lane gets the scores of the
-// queries it owns (every fourth); one warpgroup barrier per tile, after
-// every warp has waited for its groups, precedes the refill of the tile's
-// stage. Each (key, query) score is summed in the same order as over a
-// single N = QROWS accumulator, whatever H.
+// tile j + 1's groups are issued and tile j + 2's load goes into tile j's
+// stage; only then does tile j's consume (selection or table write) run, so
+// it overlaps tile j + 1's products. Contracts: consume reads neither the key
+// stages nor the accumulators, and each lane gets the scores of the queries
+// it owns (every fourth); one barrier per tile, after every warp has waited
+// for tile j's groups, precedes the refill of tile j's stage and separates
+// consecutive consumes. Each (key, query) score is summed in the same order
+// as over a single N = 256 accumulator, whatever H.
 //
 // Selection (indexer_topk_*): a score enters the query's candidate buffer
-// (one per query, shared by both warpgroups) only if its key beats the
-// running threshold; when a buffer holds more than cap - MARGIN entries it
-// is cut back to the top k (by key, then lower index) and the threshold
-// rises to the k-th key. A cut runs at a step where both warpgroups have
-// appended every tile before it and none after, so every later key has a
-// higher index than every kept one: a later key equal to the threshold ranks
-// below them, and the strict test is exact. The end of the stream cuts to k
-// and sorts. An append that fills a buffer past cap - MARGIN raises a flag;
-// warpgroup 0 reads the flags at its turn and tells warpgroup 1, and both
-// cut together (`settle`) before their next products. Scores
-// (indexer_scores_*) run the same tile code and write the table, so both
-// give bitwise-identical scores.
+// only if its key beats the running threshold; when the buffer could not
+// take another tile (more than cap - KT entries) it is cut back to the top k
+// (by key, then lower index) and the threshold rises to the k-th key. Tiles
+// go in ascending key order, so a later key equal to the threshold ranks
+// below every kept one: the strict test is exact. The end of the stream
+// cuts to k and sorts. An append that fills a buffer raises a flag, the
+// tile's barrier ORs the flags, and the prunes run right after it, before
+// the next tile's products are issued (no per-tile barrier of their own).
+// Scores (indexer_scores_*) run the same tile code and write the table, so
+// both give bitwise-identical scores.
 #include "select.cuh"
 #include "topk_keys.cuh"
 #include "wgmma.cuh"
@@ -60,33 +54,22 @@ namespace {
 constexpr int H = HS_IDX_HEADS;
 constexpr int D = HS_IDX_DIM;
 constexpr bool F16 = HS_IDX_F16;   // float16 operands, else bfloat16
-// Query-head rows per group (the accumulator columns): 256, or 128 at D = 256
-// so that the query tile and four key stages fit in shared memory.
-constexpr int QROWS = D <= 192 ? 256 : 128;
+constexpr int QROWS = 256;          // query-head rows per group: the accumulator columns
 constexpr int TQ = QROWS / H;       // queries per group
 constexpr int KT = 64;              // keys per tile: the wgmma M
-constexpr int STAGES = 2;           // key stages per warpgroup
+// Two CTAs per SM at D = 128 need 2 x (dynamic + static ~9 KiB + 1 KiB
+// reserved) <= 228 KiB; a third 16 KiB key stage makes that ~248 KiB.
+constexpr int STAGES = 2;
 constexpr int HALF_N = QROWS / 2;        // columns per accumulator half: the wgmma N
-constexpr int ACC = HALF_N / 2;          // accumulator registers per half
 constexpr int HALF_BLOCKS = HALF_N / 8;  // 8-column blocks per half
 constexpr int QUERY_BLOCKS = H / 8;      // 8-column blocks per query
 constexpr int OWNED = (TQ + 3) / 4;      // queries per quad lane: lane quad owns 4 * m + quad
-constexpr int WG_THREADS = 128;          // a warpgroup
-constexpr int THREADS = 2 * WG_THREADS;  // the CTA: two warpgroups
+constexpr int THREADS = 128;
 constexpr int Q_BYTES = QROWS * D * 2;
 constexpr int K_BYTES = KT * D * 2;
-constexpr int SORT_CAP = 2 * STAGES * K_BYTES / 8;  // (key, index) pairs the final sort holds
-// A buffer is cut when it holds more than cap - MARGIN candidates: between
-// the flag warpgroup 0 reads and the next cut, at most three more tiles can
-// be appended (ops/indexer/gpu.py sizes cap = BUFFER_KS * k + MARGIN).
-constexpr u32 MARGIN = 3 * KT;
-// Named barriers: BAR_WG + w is warpgroup w's own; BAR_TURN + w is passed
-// when the other warpgroup has issued the products w waits its turn for.
-constexpr int BAR_WG = 1;
-constexpr int BAR_TURN = 3;
-static_assert(H >= 8 && QROWS % H == 0 && TQ <= 32, "heads must divide QROWS, at least 8");
+constexpr int SORT_CAP = STAGES * K_BYTES / 8;  // (key, index) pairs the final sort holds
+static_assert(H >= 8 && QROWS % H == 0 && TQ <= 32, "heads must divide 256, at least 8");
 static_assert(D % 64 == 0 && D <= 256, "head dim must be a multiple of 64");
-static_assert(HALF_N == 128 || HALF_N == 64, "a half is one m64n128 or m64n64 product");
 static_assert(HALF_N * 128 % 1024 == 0, "a half must start on a swizzle-phase boundary");
 static_assert(HALF_BLOCKS % QUERY_BLOCKS == 0 || QUERY_BLOCKS % HALF_BLOCKS == 0,
               "a half holds whole queries or a query spans whole halves");
@@ -98,17 +81,12 @@ __device__ __forceinline__ u32 score_key(u32 bits) { return Float32<false>::key(
 
 __device__ __forceinline__ u32 key_to_bits(u32 key) { return (key & 0x80000000u) ? (key ^ 0x80000000u) : ~key; }
 
-__device__ __forceinline__ int warpgroup() { return threadIdx.x / WG_THREADS; }
-__device__ __forceinline__ int wg_thread() { return threadIdx.x % WG_THREADS; }
-
 struct GroupShared {
     u32 hist[MAX_BINS];
     u32 scratch[MAX_WARPS + 1];
     u32 found[2];
     u32 next_slot;
     int group;
-    u32 full;    // some buffer holds more than cap - MARGIN candidates
-    u32 settle;  // warpgroup 0's decision at its last turn: cut the buffers now
     int lo[TQ], hi[TQ];
     u32 count[TQ], thr[TQ], flip[TQ];
 };
@@ -121,55 +99,45 @@ __device__ __forceinline__ u64 q_half_desc(const unsigned char* q_tile, int half
     return wgmma_desc_k(q_tile + half * HALF_N * 128, kk, QROWS);
 }
 
-// One k-step of a half: m64n128k16, or m64n64k16 where a half has 64 columns.
-template <int N>
-__device__ __forceinline__ void half_product(float (&acc)[N / 2], u64 desc_a, u64 desc_b, int accumulate) {
-    if constexpr (N == 128)
-        wgmma_m64n128k16<F16>(acc, desc_a, desc_b, accumulate);
-    else
-        wgmma_m64n64k16<F16>(acc, desc_a, desc_b, accumulate);
-}
-
 // Start key tile `k_tile` times the query tile as two committed wgmma groups:
 // columns [0, HALF_N) into acc_lo, then [HALF_N, QROWS) into acc_hi. The
 // first k-step overwrites, so the previous tile's values go. Both groups are
 // in flight on return; tile_scores waits for them.
-__device__ __forceinline__ void issue_tile(float (&acc_lo)[ACC], float (&acc_hi)[ACC], const unsigned char* k_tile,
+__device__ __forceinline__ void issue_tile(float (&acc_lo)[64], float (&acc_hi)[64], const unsigned char* k_tile,
                                            const unsigned char* q_tile) {
     wgmma_fence_operands(acc_lo);
     wgmma_fence_operands(acc_hi);
     wgmma_fence();
     #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        half_product<HALF_N>(acc_lo, wgmma_desc_k(k_tile, kk, KT), q_half_desc(q_tile, 0, kk), kk > 0);
+        wgmma_m64n128k16<F16>(acc_lo, wgmma_desc_k(k_tile, kk, KT), q_half_desc(q_tile, 0, kk), kk > 0);
     wgmma_commit();
     #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        half_product<HALF_N>(acc_hi, wgmma_desc_k(k_tile, kk, KT), q_half_desc(q_tile, 1, kk), kk > 0);
+        wgmma_m64n128k16<F16>(acc_hi, wgmma_desc_k(k_tile, kk, KT), q_half_desc(q_tile, 1, kk), kk > 0);
     wgmma_commit();
     wgmma_fence_operands(acc_lo);
     wgmma_fence_operands(acc_hi);
 }
 
 // Copy ROWS rows of D 16-bit elements (row r from src + r * D) into the
-// swizzled layout with NT threads (this one is `tid`); rows at or past
-// `valid_rows` are zero-filled, and with valid_rows <= 0 src must still
-// point at one readable row. Where a row's CHUNKS 16-byte chunks divide NT
-// (D = 64, 128, 256), thread t copies chunk t % CHUNKS of rows t / CHUNKS +
-// i * ROW_STEP: the same chunk every round, and a row step of 4 or a
-// multiple of 8 changes row % 8 by a constant XOR, so each copy is a fixed
-// offset from the round-0 addresses (one instruction each, no index
-// arithmetic per copy). Otherwise (D = 192) chunk c goes to thread c % NT.
-template <int ROWS, int NT>
-__device__ __forceinline__ void load_rows(unsigned char* dst, const u16* src, int valid_rows, int tid) {
+// swizzled layout; rows at or past `valid_rows` (>= 1) are zero-filled.
+// Where a row's CHUNKS 16-byte chunks divide THREADS (D = 64, 128, 256),
+// thread t copies chunk t % CHUNKS of rows t / CHUNKS + i * ROW_STEP: the
+// same chunk every round, and a row step of 4 or a multiple of 8 changes
+// row % 8 by a constant XOR, so each copy is a fixed offset from the
+// round-0 addresses (one instruction each, no index arithmetic per copy).
+// Otherwise (D = 192) chunk c goes to thread c % THREADS.
+template <int ROWS>
+__device__ __forceinline__ void load_rows(unsigned char* dst, const u16* src, int valid_rows) {
     constexpr int CHUNKS = D / 8;
-    static_assert(ROWS * CHUNKS % NT == 0, "whole rounds of chunks");
-    constexpr int ROW_STEP = NT / CHUNKS;
-    if constexpr (NT % CHUNKS == 0 && (ROW_STEP % 8 == 0 || ROW_STEP == 4)) {
-        const int chunk = tid % CHUNKS, r0 = tid / CHUNKS;
+    static_assert(ROWS * CHUNKS % THREADS == 0, "whole rounds of chunks");
+    constexpr int ROW_STEP = THREADS / CHUNKS;
+    if constexpr (THREADS % CHUNKS == 0 && (ROW_STEP % 8 == 0 || ROW_STEP == 4)) {
+        const int chunk = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
         unsigned char* dst0 = dst + (chunk >> 3) * ROWS * 128 + r0 * 128;
         // A zero-fill copy reads nothing; its address still stays in bounds.
-        const u16* src0 = src + (size_t)max(min(r0, valid_rows - 1), 0) * D + chunk * 8;
+        const u16* src0 = src + (size_t)min(r0, valid_rows - 1) * D + chunk * 8;
         #pragma unroll
         for (int i = 0; i < ROWS / ROW_STEP; ++i) {
             const int swizzle = ((chunk & 7) ^ (r0 & 7) ^ ((i * ROW_STEP) & 7)) << 4;
@@ -177,20 +145,21 @@ __device__ __forceinline__ void load_rows(unsigned char* dst, const u16* src, in
             cp_async16(dst0 + i * ROW_STEP * 128 + swizzle, valid ? src0 + (size_t)i * ROW_STEP * D : src0, valid);
         }
     } else {
-        for (int c = tid; c < ROWS * CHUNKS; c += NT) {
+        for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
             const int r = c / CHUNKS, chunk = c % CHUNKS;
             const bool valid = r < valid_rows;
             cp_async16(dst + swizzled_offset(r, chunk, ROWS), src + (size_t)(valid ? r : 0) * D + chunk * 8, valid);
         }
     }
 }
+
 // Add half HALF of the tile's columns to the head-weighted ReLU sums
 // s[qi][rr] of key rows key_row(rr), 8-column blocks in ascending order (a
 // query spanning both halves carries its partial sums over), then finish the
 // queries that end in this half: quad butterfly and one NaN. Finished scores
 // are identical in the four lanes of a quad.
 template <int HALF>
-__device__ __forceinline__ void head_sums_half(const float (&acc)[ACC], const float* w_s, float (&s)[TQ][2]) {
+__device__ __forceinline__ void head_sums_half(const float (&acc)[64], const float* w_s, float (&s)[TQ][2]) {
     const int quad = threadIdx.x & 3;
     #pragma unroll
     for (int jl = 0; jl < HALF_BLOCKS; ++jl) {
@@ -236,7 +205,7 @@ __device__ __forceinline__ void keep_owned(const float (&scores)[TQ][2], float (
 // Wait for the tile issue_tile started and leave this lane's scores in
 // owned (keep_owned): the low half's sums run while the high half is still in
 // flight. The accumulators are free on return.
-__device__ __forceinline__ void tile_scores(float (&acc_lo)[ACC], float (&acc_hi)[ACC], const float* w_s,
+__device__ __forceinline__ void tile_scores(float (&acc_lo)[64], float (&acc_hi)[64], const float* w_s,
                                             float (&owned)[OWNED][2]) {
     float scores[TQ][2];
     #pragma unroll
@@ -357,12 +326,12 @@ __device__ void prune_stored(GroupShared& sh, const StoredCandidates& c, u32* ds
 }
 
 // The same cut for a buffer of at most HELD * THREADS candidates (k up to
-// 2464 at the default buffer of 2k + MARGIN), loaded into registers once,
-// all loads in flight together: thread t holds candidates u * THREADS + t.
-// The passes skip the high bits every key shares (block minimum and
-// maximum), so the first one spreads over the bins. Kept small: a prune's
-// code evicts the tile loop from the instruction cache.
-constexpr int HELD = 20;
+// 2528 at the default buffer of 2k + 64), loaded into registers once, all
+// loads in flight together: thread t holds candidates u * THREADS + t. The
+// passes skip the high bits every key shares (block minimum and maximum),
+// so the first one spreads over the bins. Kept small: a prune's code evicts
+// the tile loop of both CTAs on the SM from the instruction cache.
+constexpr int HELD = 40;
 struct HeldCandidates {
     u32 key[HELD], idx[HELD];
     u32 n;
@@ -461,27 +430,22 @@ struct Problem {
     int n_q, n_k;
 };
 
-// Load the key tile starting at key s0 (all zeros past the keys) into stage
-// `stage` of the calling warpgroup's `k_stages` and commit it as one group.
-__device__ __forceinline__ void load_key_tile(unsigned char* k_stages, const Problem& p, int s0, int stage) {
-    const bool any = s0 < p.n_k;
-    load_rows<KT, WG_THREADS>(k_stages + stage * K_BYTES, p.k + (any ? (size_t)s0 * D : 0), min(KT, p.n_k - s0),
-                              wg_thread());
+// Load key tile j of the stream starting at key `begin` into its stage and commit it as one group.
+__device__ __forceinline__ void load_key_tile(unsigned char* k_tiles, const Problem& p, int begin, int j) {
+    const int s0 = begin + j * KT;
+    load_rows<KT>(k_tiles + (j % STAGES) * K_BYTES, p.k + (size_t)s0 * D, min(KT, p.n_k - s0));
     cp_async_commit();
 }
 
 // Claim the next query group (longest first) and stage its queries, weights and ranges.
 __device__ bool next_group(GroupShared& sh, const Problem& p, int* work_counter, unsigned char* q_tile, float* w_s) {
     const int n_groups = (p.n_q + TQ - 1) / TQ;
-    if (threadIdx.x == 0) {
-        sh.group = n_groups - 1 - atomicAdd(work_counter, 1);
-        sh.full = 0;
-    }
+    if (threadIdx.x == 0) sh.group = n_groups - 1 - atomicAdd(work_counter, 1);
     __syncthreads();
     const int g = sh.group;
     if (g < 0) return false;
     const int t0 = g * TQ;
-    load_rows<QROWS, THREADS>(q_tile, p.q + (size_t)t0 * H * D, min(TQ, p.n_q - t0) * H, threadIdx.x);
+    load_rows<QROWS>(q_tile, p.q + (size_t)t0 * H * D, min(TQ, p.n_q - t0) * H);
     cp_async_commit();
     for (int i = threadIdx.x; i < TQ * H; i += THREADS) w_s[i] = t0 * H + i < p.n_q * H ? p.w[(size_t)t0 * H + i] : 0.f;
     if (threadIdx.x < TQ) {
@@ -496,37 +460,13 @@ __device__ bool next_group(GroupShared& sh, const Problem& p, int* work_counter,
     return true;
 }
 
-// At warpgroup w's turn, before it issues its next tile: whether both
-// warpgroups cut the buffers now. Warpgroup 0 decides (any flag raised, read
-// by every thread and ORed; the same barrier tells its warps they are all
-// past their last products) and publishes the decision before it lets
-// warpgroup 1 take its turn; warpgroup 1 reads it.
-__device__ __forceinline__ bool take_turn(GroupShared& sh) {
-    const int w = warpgroup();
-    named_barrier_sync(BAR_TURN + w, THREADS);
-    if (w == 0) {
-        const bool settle = named_barrier_or(BAR_WG, WG_THREADS, *(volatile u32*)&sh.full != 0);
-        if (threadIdx.x == 0) sh.settle = settle;
-        return settle;
-    }
-    const bool settle = *(volatile u32*)&sh.settle != 0;
-    named_barrier_sync(BAR_WG + 1, WG_THREADS);
-    return settle;
-}
-
-// Let the other warpgroup take its next turn.
-__device__ __forceinline__ void pass_turn() { named_barrier_arrive(BAR_TURN + (warpgroup() ^ 1), THREADS); }
-
-// Stream the key tiles of the current group: warpgroup w takes tiles 2 j + w
-// (a group of an odd tile count gives warpgroup 1 a last tile of zeros past
-// every visible key), both the same number of steps. `consume(s0, owned)`
-// sees each tile: owned[m][rr] is the score of query qi = 4 * m + (lane & 3),
-// where qi < TQ, and key s0 + key_row(rr); it must not touch the key stages
-// or block-wide barriers. When a consume raised sh.full, `settle()` runs
-// (all threads of both warpgroups, block-wide barriers allowed) at one step
-// of both: after each has consumed its tiles before that step and before it
-// consumes the next, with no products in flight, so it has the
-// accumulators' registers to itself.
+// Stream the key tiles of the current group. `consume(s0, owned)` sees each
+// tile: owned[m][rr] is the score of query qi = 4 * m + (lane & 3), where
+// qi < TQ, and key s0 + key_row(rr); it must not touch the key stages or
+// block-wide barriers, and returns a flag. When any thread's flag from
+// consume(j - 1) was set, `settle()` runs (all threads, block-wide barriers
+// allowed) after consume(j - 1) and before consume(j), at a point where no
+// products are in flight, so it has the accumulators' registers to itself.
 template <typename Consume, typename Settle>
 __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q_tile, unsigned char* k_tiles,
                              const float* w_s, Consume&& consume, Settle&& settle) {
@@ -536,52 +476,39 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
             first = min(first, sh.lo[qi]);
             last = max(last, sh.hi[qi]);
         }
-    const int w = warpgroup();
     const int begin = first >= last ? 0 : (first / KT) * KT;
     const int n_tiles = first >= last ? 0 : (last - begin + KT - 1) / KT;
-    const int n_steps = (n_tiles + 1) / 2;
-    unsigned char* k_stages = k_tiles + w * STAGES * K_BYTES;
-    auto tile_start = [&](int j) { return begin + (2 * j + w) * KT; };
-    for (int j = 0; j < min(n_steps, STAGES); ++j)  // one committed group per tile, empty ones too
-        load_key_tile(k_stages, p, tile_start(j), j);
-    for (int j = n_steps; j < STAGES; ++j) cp_async_commit();
-    float acc_lo[ACC], acc_hi[ACC];
+    for (int j = 0; j < min(n_tiles, STAGES); ++j)  // one committed group per tile, empty ones too
+        load_key_tile(k_tiles, p, begin, j);
+    for (int j = n_tiles; j < STAGES; ++j) cp_async_commit();
+    float acc_lo[64], acc_hi[64];
     #pragma unroll
-    for (int i = 0; i < ACC; ++i) acc_lo[i] = acc_hi[i] = 0.f;
+    for (int i = 0; i < 64; ++i) acc_lo[i] = acc_hi[i] = 0.f;
     // Every issue_tile reaches tile_scores' waits on every path through the
     // loop's back edge, with no exit in between: ptxas serialises every wgmma
     // of the kernel (C7514, C7518) when it cannot see that.
-    if (n_steps > 0) {
+    if (n_tiles > 0) {
         cp_async_wait<STAGES - 1>();  // the query tile and key tile 0
         fence_proxy_async();
         __syncthreads();
-        // Turns: warpgroup 0 issues step j + 1 after warpgroup 1 has issued
-        // step j, which issues after warpgroup 0 has; every arrive meets a
-        // sync (warpgroup 1 passes no turn after its last issue).
-        if (w == 1) named_barrier_sync(BAR_TURN + 1, THREADS);
-        issue_tile(acc_lo, acc_hi, k_stages, q_tile);
-        if (w == 0 || n_steps > 1) pass_turn();
+        issue_tile(acc_lo, acc_hi, k_tiles, q_tile);
+        int flag = 0;
         for (int j = 0;; ++j) {
             float owned[OWNED][2];
             tile_scores(acc_lo, acc_hi, w_s, owned);
-            cp_async_wait<STAGES - 2>();  // this warpgroup's tile j + 1, where there is one
+            cp_async_wait<STAGES - 2>();  // key tile j + 1, where there is one
             fence_proxy_async();
-            if (j + 1 == n_steps) {  // the last step: nothing left to overlap
-                consume(tile_start(j), owned);
+            // Every warp is past tile j's groups and consume(j - 1); the
+            // barrier ORs consume(j - 1)'s flags.
+            if (__syncthreads_or(flag)) settle();
+            if (j + 1 == n_tiles) {  // the last tile: nothing left to overlap
+                consume(begin + j * KT, owned);
                 break;
             }
-            // Every warp of this warpgroup is past tile j's products and
-            // consume(j - 1); the other warpgroup has issued its last tile.
-            const bool cut = take_turn(sh);
-            if (cut) {
-                if (w == 0) pass_turn();  // warpgroup 1 learns of the cut at its turn
-                settle();
-            }
-            issue_tile(acc_lo, acc_hi, k_stages + ((j + 1) % STAGES) * K_BYTES, q_tile);
-            if (w == 0 ? !cut : j + 2 < n_steps) pass_turn();
-            if (j + STAGES < n_steps) load_key_tile(k_stages, p, tile_start(j + STAGES), j % STAGES);
+            issue_tile(acc_lo, acc_hi, k_tiles + ((j + 1) % STAGES) * K_BYTES, q_tile);
+            if (j + STAGES < n_tiles) load_key_tile(k_tiles, p, begin, j + STAGES);  // into tile j's stage
             else cp_async_commit();
-            consume(tile_start(j), owned);  // overlaps the products
+            flag = consume(begin + j * KT, owned);  // overlaps tile j + 1's products
         }
     }
     cp_async_wait<0>();
@@ -596,8 +523,7 @@ __device__ __forceinline__ unsigned char* aligned_dynamic_smem() {
     return dynamic_smem + ((1024 - (addr & 1023)) & 1023);
 }
 
-// The key row of accumulator register pair rr of this thread in its warpgroup's tile.
-__device__ __forceinline__ int key_row(int rr) { return 16 * (wg_thread() >> 5) + ((threadIdx.x & 31) >> 2) + 8 * rr; }
+__device__ __forceinline__ int key_row(int rr) { return 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2) + 8 * rr; }
 
 // The visible key ranges [lo, hi) of the queries this lane owns (4 * m +
 // quad; empty past TQ), held in registers for the whole group.
@@ -614,33 +540,24 @@ struct OwnedRanges {
     __device__ bool visible(int m, int s) const { return s >= lo[m] && s < hi[m]; }
 };
 
-// Shared-memory carve-up: the query tile, both warpgroups' key stages, the weights.
-struct SharedTiles {
-    unsigned char* q_tile;
-    unsigned char* k_tiles;
-    float* w_s;
-    __device__ SharedTiles() {
-        unsigned char* smem = aligned_dynamic_smem();
-        q_tile = smem;
-        k_tiles = smem + Q_BYTES;
-        w_s = reinterpret_cast<float*>(smem + Q_BYTES + 2 * STAGES * K_BYTES);
-    }
-};
-
 __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers buf, int* out_idx,
                          float* out_scores) {
     __shared__ GroupShared sh;
-    const SharedTiles tiles;
+    unsigned char* smem = aligned_dynamic_smem();
+    unsigned char* q_tile = smem;
+    unsigned char* k_tiles = smem + Q_BYTES;
+    float* w_s = reinterpret_cast<float*>(smem + Q_BYTES + STAGES * K_BYTES);
     buf.bits += (size_t)blockIdx.x * 2 * TQ * buf.cap;
     buf.idx += (size_t)blockIdx.x * 2 * TQ * buf.cap;
     const u32 k = (u32)topk;
-    while (next_group(sh, p, work_counter, tiles.q_tile, tiles.w_s)) {
+    while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
         const OwnedRanges range(sh);
-        // Appends: a score enters when its key beats the threshold; one that
-        // leaves a buffer past cap - MARGIN raises sh.full, and settle cuts
-        // those buffers back to k before the next appends.
+        // Appends: a score enters when its key beats the threshold; the flag
+        // says a buffer could not take another tile (count + KT > cap), and
+        // settle cuts those back to k before the next tile's appends.
         auto append = [&](int s0, const float (&owned)[OWNED][2]) {
+            int full = 0;
             #pragma unroll
             for (int m = 0; m < OWNED; ++m) {
                 const int qi = 4 * m + (int)(threadIdx.x & 3);
@@ -654,29 +571,31 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
                         const u32 slot = atomicAdd(&sh.count[qi], 1u);
                         buf.bits[buf.at(sh.flip[qi], qi) + slot] = bits;
                         buf.idx[buf.at(sh.flip[qi], qi) + slot] = (u32)s;
-                        if (slot + 1 + MARGIN > (u32)buf.cap) sh.full = 1;
+                        full |= slot + 1 + KT > (u32)buf.cap;
                     }
                 }
             }
+            return full;
         };
         auto settle = [&]() {
-            __syncthreads();  // both warpgroups' appends are done
             for (int qi = 0; qi < TQ; ++qi)
-                if (sh.count[qi] + MARGIN > (u32)buf.cap) prune(sh, buf, qi, k);
-            if (threadIdx.x == 0) sh.full = 0;
+                if (sh.count[qi] + KT > (u32)buf.cap) prune(sh, buf, qi, k);
             __syncthreads();  // every thread has read the counts before the next appends
         };
-        stream_group(sh, p, tiles.q_tile, tiles.k_tiles, tiles.w_s, append, settle);
+        stream_group(sh, p, q_tile, k_tiles, w_s, append, settle);
         for (int qi = 0; qi < TQ && t0 + qi < p.n_q; ++qi)
-            write_selection(sh, buf, qi, k, tiles.k_tiles, out_idx + (size_t)(t0 + qi) * topk,
+            write_selection(sh, buf, qi, k, k_tiles, out_idx + (size_t)(t0 + qi) * topk,
                             out_scores ? out_scores + (size_t)(t0 + qi) * topk : nullptr);
     }
 }
 
 __device__ void scores_cta(const Problem& p, int* work_counter, float* table) {
     __shared__ GroupShared sh;
-    const SharedTiles tiles;
-    while (next_group(sh, p, work_counter, tiles.q_tile, tiles.w_s)) {
+    unsigned char* smem = aligned_dynamic_smem();
+    unsigned char* q_tile = smem;
+    unsigned char* k_tiles = smem + Q_BYTES;
+    float* w_s = reinterpret_cast<float*>(smem + Q_BYTES + STAGES * K_BYTES);
+    while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
         const OwnedRanges range(sh);
         auto store = [&](int s0, const float (&owned)[OWNED][2]) {
@@ -692,17 +611,17 @@ __device__ void scores_cta(const Problem& p, int* work_counter, float* table) {
                             range.visible(m, s) ? owned[m][rr] : __uint_as_float(NEG_INF_BITS);
                 }
             }
+            return 0;
         };
-        stream_group(sh, p, tiles.q_tile, tiles.k_tiles, tiles.w_s, store, []() {});
+        stream_group(sh, p, q_tile, k_tiles, w_s, store, []() {});
     }
 }
 
 }  // namespace
 
-// Both entry points run THREADS threads and take 1024 + Q_BYTES + 2 * STAGES
-// * K_BYTES + QROWS * 4 bytes of dynamic shared memory (ops/indexer/gpu.py
-// computes the same).
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+// Both entry points take 1024 + Q_BYTES + STAGES * K_BYTES + TQ * H * 4 bytes
+// of dynamic shared memory (ops/indexer/gpu.py computes the same).
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
 indexer_topk_kernel(const u16* q, const u16* k, const float* w, const int* lo, const int* hi, int n_q, int n_k,
                     int topk, int* work_counter, u32* buf_bits, u32* buf_idx, int cap, int* out_idx,
                     float* out_scores) {
@@ -710,7 +629,7 @@ indexer_topk_kernel(const u16* q, const u16* k, const float* w, const int* lo, c
     topk_cta(p, topk, work_counter, Buffers{buf_bits, buf_idx, cap}, out_idx, out_scores);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
 indexer_scores_kernel(const u16* q, const u16* k, const float* w, const int* lo, const int* hi, int n_q, int n_k,
                       int* work_counter, float* table) {
     const Problem p{q, k, w, lo, hi, n_q, n_k};

@@ -34,27 +34,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
     asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(addr),
                  "l"(gmem), "r"(valid ? 16 : 0), "l"(policy));
 }
-// Named barriers (bar.sync / bar.arrive / bar.red.or): barrier `id` in 1..15
-// (0 is __syncthreads') completes when `count` threads (a multiple of 32)
-// have arrived; arrive does not wait. Shared-memory writes before an arrive
-// or sync are visible to the threads that pass the barrier's sync.
-__device__ __forceinline__ void named_barrier_sync(int id, int count) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-// named_barrier_sync that also returns whether any arriving thread's pred is true.
-__device__ __forceinline__ bool named_barrier_or(int id, int count, bool pred) {
-    u32 out;
-    asm volatile(
-        "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
-        : "=r"(out)
-        : "r"((u32)pred), "r"(id), "r"(count)
-        : "memory");
-    return out != 0;
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

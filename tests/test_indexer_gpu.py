@@ -87,7 +87,7 @@ def test_query_shards_and_rising_scores():
 @pytest.mark.parametrize("buffer_ks", [2, 3])
 def test_long_sequence_with_many_prunes(monkeypatch, buffer_ks, repeat_keys):
     """The buffer size only decides when prunes happen, never what is selected. At k = 2048 a
-    buffer of 2k + 192 is pruned from registers, one of 3k + 192 from global memory; with every
+    buffer of 2k + 64 is pruned from registers, one of 3k + 64 from global memory; with every
     third key repeated, ties straddle the k-th score in many prunes."""
     from hyscale_core.ops.indexer import gpu
 

@@ -3,9 +3,8 @@
 Both ``indexer_scores`` and ``indexer_topk`` run the same tile code (wgmma
 bf16/fp16 products with float32 accumulation, ReLU, head-weighted sum), so
 the streaming selection is bitwise identical to ``topk`` of the table.
-Shapes the kernel is not built for (H not dividing 256, or 128 at D = 256;
-D not a multiple of 64 or above 256; topk beyond the in-kernel sort) go to
-``gpu_fallback``.
+Shapes the kernel is not built for (H not dividing 256, D not a multiple of
+64, topk beyond the in-kernel sort) go to ``gpu_fallback``.
 
 Precision: bfloat16 and float16 inputs are used as they are; float32 and
 float64 inputs are rounded to bfloat16 first. Products and sums run in
@@ -20,9 +19,8 @@ from ..._dtypes import bfloat16
 from ...gpu.module import get_kernel, multiprocessor_count
 from . import gpu_fallback
 
-KT, STAGES, WARPGROUPS = 64, 2, 2  # cuda/indexer.cu: keys per tile, key stages per warpgroup
-THREADS = 128 * WARPGROUPS  # one CTA per SM
-MARGIN = 3 * KT  # a buffer is cut when it holds more than cap - MARGIN candidates
+QROWS, KT, STAGES = 256, 64, 2  # cuda/indexer.cu
+CTAS_PER_SM = 2
 # Candidates a query's buffer holds before it is cut back to topk, in
 # multiples of topk (benchmarks/indexer_gpu_breakdown.py --buffer-ks sweeps
 # it): a larger buffer prunes less often, each prune reads more.
@@ -30,28 +28,18 @@ BUFFER_KS = 2
 POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
 
 
-def _query_rows(dim: int) -> int:
-    """Query-head rows per group (cuda/indexer.cu's QROWS)."""
-    return 256 if dim <= 192 else 128
-
-
 def _config(q, topk: int | None):
     """Compile-time configuration of the fused kernel, or None if unsupported."""
     _, heads, dim = q.shape
-    if dim % 64 or dim > 256:
+    if heads < 8 or QROWS % heads or dim % 64 or dim > 256:
         return None
-    qrows = _query_rows(dim)
-    if heads < 8 or qrows % heads:
-        return None
-    key_stage_bytes = KT * dim * 2
-    sort_cap = WARPGROUPS * STAGES * key_stage_bytes // 8
+    sort_cap = STAGES * KT * dim * 2 // 8
     if topk is not None and topk > sort_cap:
         return None
     f16 = np.dtype(q.dtype) == np.float16
     defines = (f"HS_IDX_HEADS={heads}", f"HS_IDX_DIM={dim}", f"HS_IDX_F16={int(f16)}")
-    # 1024: alignment slack; then the query tile, the key stages, the weights
-    smem = 1024 + qrows * dim * 2 + WARPGROUPS * STAGES * key_stage_bytes + qrows * 4
-    return defines, smem, qrows // heads, (np.float16 if f16 else bfloat16)
+    smem = 1024 + QROWS * dim * 2 + STAGES * KT * dim * 2 + QROWS * 4  # 1024: alignment slack
+    return defines, smem, QROWS // heads, (np.float16 if f16 else bfloat16)
 
 
 def _operands(cp, q, k, w, lo, hi, in_dtype):
@@ -62,7 +50,7 @@ def _operands(cp, q, k, w, lo, hi, in_dtype):
 
 
 def _grid(cp) -> int:
-    return multiprocessor_count(cp.cuda.Device().id)
+    return CTAS_PER_SM * multiprocessor_count(cp.cuda.Device().id)
 
 
 def indexer_scores(q, k, w, lo, hi):
@@ -78,7 +66,7 @@ def indexer_scores(q, k, w, lo, hi):
         return table
     counter = cp.zeros(1, dtype=cp.int32)
     kernel = get_kernel("indexer", "indexer_scores_kernel", smem, defines)
-    kernel((_grid(cp),), (THREADS,), (q16, k16, w32, lo32, hi32, np.int32(q.shape[0]), np.int32(k.shape[0]),
+    kernel((_grid(cp),), (128,), (q16, k16, w32, lo32, hi32, np.int32(q.shape[0]), np.int32(k.shape[0]),
                                   counter, table), shared_mem=smem)
     return table
 
@@ -101,12 +89,12 @@ def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool):
         return indices, scores
     q16, k16, w32, lo32, hi32 = _operands(cp, q, k, w, lo, hi, in_dtype)
     grid = _grid(cp)
-    cap = BUFFER_KS * topk + MARGIN
+    cap = BUFFER_KS * topk + KT  # room for one more tile of appends after each prune check
     buf_bits = cp.empty(grid * 2 * per_group * cap, dtype=cp.uint32)
     buf_idx = cp.empty(grid * 2 * per_group * cap, dtype=cp.uint32)
     counter = cp.zeros(1, dtype=cp.int32)
     kernel = get_kernel("indexer", "indexer_topk_kernel", smem, defines)
-    kernel((grid,), (THREADS,), (q16, k16, w32, lo32, hi32, np.int32(n_q), np.int32(k.shape[0]), np.int32(topk),
+    kernel((grid,), (128,), (q16, k16, w32, lo32, hi32, np.int32(n_q), np.int32(k.shape[0]), np.int32(topk),
                              counter, buf_bits, buf_idx, np.int32(cap), indices,
                              scores if scores is not None else np.uint64(0)), shared_mem=smem)
     return indices, scores
