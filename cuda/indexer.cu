@@ -10,17 +10,18 @@
 // accumulator row is a key, the column a (query, head) pair, so the head sum
 // is a per-thread sum over its columns plus a two-step quad butterfly.
 //
-// Schedule: a tile's 256 columns are two m64n128k16 groups, the low half
-// (acc_lo) committed before the high half (acc_hi); the low half's head sums
-// run while the high half is in flight. With tile j's scores in registers,
-// tile j + 1's groups are issued and tile j + 2's load goes into tile j's
-// stage; only then does tile j's consume (selection or table write) run, so
-// it overlaps tile j + 1's products. Contracts: consume reads neither the key
-// stages nor the accumulators, and each lane gets the scores of the queries
-// it owns (every fourth); one barrier per tile, after every warp has waited
-// for tile j's groups, precedes the refill of tile j's stage and separates
-// consecutive consumes. Each (key, query) score is summed in the same order
-// as over a single N = 256 accumulator, whatever H.
+// Schedule: a tile's products are one wgmma group of m64n256k16 (the key
+// tile read once per k-step: two m64n128k16 halves read it twice, and the
+// shared-memory pipe is the busiest unit). With tile j's scores in
+// registers, tile j + 1's group is issued and tile j + 2's load goes into
+// tile j's stage; only then does tile j's consume (selection or table
+// write) run, so it overlaps tile j + 1's products, and the other CTA on the
+// SM keeps the tensor cores busy while this one sums. Contracts: consume
+// reads neither the key stages nor the accumulator, and each lane gets the
+// scores of the queries it owns (every fourth); one barrier per tile, after
+// every warp has waited for tile j's group, precedes the refill of tile j's
+// stage and separates consecutive consumes. Each (key, query) score is a sum
+// over its heads in ascending order, whatever H.
 //
 // Selection (indexer_topk_*): a score enters the query's candidate buffer
 // only if its key beats the running threshold; when the buffer could not
@@ -60,8 +61,7 @@ constexpr int KT = 64;              // keys per tile: the wgmma M
 // Two CTAs per SM at D = 128 need 2 x (dynamic + static ~9 KiB + 1 KiB
 // reserved) <= 228 KiB; a third 16 KiB key stage makes that ~248 KiB.
 constexpr int STAGES = 2;
-constexpr int HALF_N = QROWS / 2;        // columns per accumulator half: the wgmma N
-constexpr int HALF_BLOCKS = HALF_N / 8;  // 8-column blocks per half
+constexpr int ROW_BLOCKS = QROWS / 8;    // 8-column blocks of the accumulator row
 constexpr int QUERY_BLOCKS = H / 8;      // 8-column blocks per query
 constexpr int OWNED = (TQ + 3) / 4;      // queries per quad lane: lane quad owns 4 * m + quad
 constexpr int THREADS = 128;
@@ -70,9 +70,6 @@ constexpr int K_BYTES = KT * D * 2;
 constexpr int SORT_CAP = STAGES * K_BYTES / 8;  // (key, index) pairs the final sort holds
 static_assert(H >= 8 && QROWS % H == 0 && TQ <= 32, "heads must divide 256, at least 8");
 static_assert(D % 64 == 0 && D <= 256, "head dim must be a multiple of 64");
-static_assert(HALF_N * 128 % 1024 == 0, "a half must start on a swizzle-phase boundary");
-static_assert(HALF_BLOCKS % QUERY_BLOCKS == 0 || QUERY_BLOCKS % HALF_BLOCKS == 0,
-              "a half holds whole queries or a query spans whole halves");
 
 constexpr u32 NEG_INF_BITS = 0xFF800000u;
 constexpr u32 NEG_INF_KEY = 0x007FFFFFu;  // key of -inf: thresholds start here
@@ -91,33 +88,18 @@ struct GroupShared {
     u32 count[TQ], thr[TQ], flip[TQ];
 };
 
-// Descriptor for k-step kk of query rows [HALF_N * half, HALF_N * (half + 1))
-// of the query tile (QROWS rows, region layout): the half starts HALF_N * 128
-// bytes into each region, a multiple of 1024, so the swizzle phase is that of
-// row 0.
-__device__ __forceinline__ u64 q_half_desc(const unsigned char* q_tile, int half, int kk) {
-    return wgmma_desc_k(q_tile + half * HALF_N * 128, kk, QROWS);
-}
-
-// Start key tile `k_tile` times the query tile as two committed wgmma groups:
-// columns [0, HALF_N) into acc_lo, then [HALF_N, QROWS) into acc_hi. The
-// first k-step overwrites, so the previous tile's values go. Both groups are
-// in flight on return; tile_scores waits for them.
-__device__ __forceinline__ void issue_tile(float (&acc_lo)[64], float (&acc_hi)[64], const unsigned char* k_tile,
+// Start key tile `k_tile` times the query tile as one committed wgmma group
+// (the first k-step overwrites, so the previous tile's values go); it is in
+// flight on return, and tile_scores waits for it.
+__device__ __forceinline__ void issue_tile(float (&acc)[QROWS / 2], const unsigned char* k_tile,
                                            const unsigned char* q_tile) {
-    wgmma_fence_operands(acc_lo);
-    wgmma_fence_operands(acc_hi);
+    wgmma_fence_operands(acc);
     wgmma_fence();
     #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_m64n128k16<F16>(acc_lo, wgmma_desc_k(k_tile, kk, KT), q_half_desc(q_tile, 0, kk), kk > 0);
+        wgmma_m64n256k16<F16>(acc, wgmma_desc_k(k_tile, kk, KT), wgmma_desc_k(q_tile, kk, QROWS), kk > 0);
     wgmma_commit();
-    #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_m64n128k16<F16>(acc_hi, wgmma_desc_k(k_tile, kk, KT), q_half_desc(q_tile, 1, kk), kk > 0);
-    wgmma_commit();
-    wgmma_fence_operands(acc_lo);
-    wgmma_fence_operands(acc_hi);
+    wgmma_fence_operands(acc);
 }
 
 // Copy ROWS rows of D 16-bit elements (row r from src + r * D) into the
@@ -153,28 +135,22 @@ __device__ __forceinline__ void load_rows(unsigned char* dst, const u16* src, in
     }
 }
 
-// Add half HALF of the tile's columns to the head-weighted ReLU sums
-// s[qi][rr] of key rows key_row(rr), 8-column blocks in ascending order (a
-// query spanning both halves carries its partial sums over), then finish the
-// queries that end in this half: quad butterfly and one NaN. Finished scores
-// are identical in the four lanes of a quad.
-template <int HALF>
-__device__ __forceinline__ void head_sums_half(const float (&acc)[64], const float* w_s, float (&s)[TQ][2]) {
+// The head-weighted ReLU sums s[qi][rr] of key rows key_row(rr), 8-column
+// blocks in ascending order, then the quad butterfly and one NaN. Finished
+// scores are identical in the four lanes of a quad.
+__device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 2], const float* w_s, float (&s)[TQ][2]) {
     const int quad = threadIdx.x & 3;
     #pragma unroll
-    for (int jl = 0; jl < HALF_BLOCKS; ++jl) {
-        const int j = HALF * HALF_BLOCKS + jl;  // block of the whole row: query qi, its block jj
+    for (int j = 0; j < ROW_BLOCKS; ++j) {  // block j: query qi, its block jj
         const int qi = j / QUERY_BLOCKS, jj = j % QUERY_BLOCKS;
         const float2 wv = *reinterpret_cast<const float2*>(w_s + qi * H + 8 * jj + 2 * quad);
-        s[qi][0] = fmaf(wv.x, fmaxf(acc[4 * jl + 0], 0.f), s[qi][0]);
-        s[qi][0] = fmaf(wv.y, fmaxf(acc[4 * jl + 1], 0.f), s[qi][0]);
-        s[qi][1] = fmaf(wv.x, fmaxf(acc[4 * jl + 2], 0.f), s[qi][1]);
-        s[qi][1] = fmaf(wv.y, fmaxf(acc[4 * jl + 3], 0.f), s[qi][1]);
+        s[qi][0] = fmaf(wv.x, fmaxf(acc[4 * j + 0], 0.f), s[qi][0]);
+        s[qi][0] = fmaf(wv.y, fmaxf(acc[4 * j + 1], 0.f), s[qi][0]);
+        s[qi][1] = fmaf(wv.x, fmaxf(acc[4 * j + 2], 0.f), s[qi][1]);
+        s[qi][1] = fmaf(wv.y, fmaxf(acc[4 * j + 3], 0.f), s[qi][1]);
     }
-    constexpr int DONE_BEFORE = HALF * HALF_BLOCKS / QUERY_BLOCKS;  // queries ending in halves < HALF
-    constexpr int DONE_AFTER = (HALF + 1) * HALF_BLOCKS / QUERY_BLOCKS;
     #pragma unroll
-    for (int qi = DONE_BEFORE; qi < DONE_AFTER; ++qi) {
+    for (int qi = 0; qi < TQ; ++qi) {
         float s0 = s[qi][0], s1 = s[qi][1];
         s0 += __shfl_xor_sync(FULL_MASK, s0, 1);
         s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
@@ -203,23 +179,14 @@ __device__ __forceinline__ void keep_owned(const float (&scores)[TQ][2], float (
 }
 
 // Wait for the tile issue_tile started and leave this lane's scores in
-// owned (keep_owned): the low half's sums run while the high half is still in
-// flight. The accumulators are free on return.
-__device__ __forceinline__ void tile_scores(float (&acc_lo)[64], float (&acc_hi)[64], const float* w_s,
-                                            float (&owned)[OWNED][2]) {
+// owned (keep_owned). The accumulator is free on return.
+__device__ __forceinline__ void tile_scores(float (&acc)[QROWS / 2], const float* w_s, float (&owned)[OWNED][2]) {
     float scores[TQ][2];
     #pragma unroll
     for (int qi = 0; qi < TQ; ++qi) scores[qi][0] = scores[qi][1] = 0.f;
-    wgmma_wait<1>();
-    wgmma_fence_operands(acc_lo);
-    head_sums_half<0>(acc_lo, w_s, scores);
-    #pragma unroll
-    for (int qi = 0; qi < TQ; ++qi)  // keep the low half's sums ahead of the next wait
-        asm volatile("" : "+f"(scores[qi][0]), "+f"(scores[qi][1])::"memory");
     wgmma_wait<0>();
-    wgmma_fence_operands(acc_lo);
-    wgmma_fence_operands(acc_hi);
-    head_sums_half<1>(acc_hi, w_s, scores);
+    wgmma_fence_operands(acc);
+    head_sums(acc, w_s, scores);
     keep_owned(scores, owned);
 }
 
@@ -481,9 +448,9 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
     for (int j = 0; j < min(n_tiles, STAGES); ++j)  // one committed group per tile, empty ones too
         load_key_tile(k_tiles, p, begin, j);
     for (int j = n_tiles; j < STAGES; ++j) cp_async_commit();
-    float acc_lo[64], acc_hi[64];
+    float acc[QROWS / 2];
     #pragma unroll
-    for (int i = 0; i < 64; ++i) acc_lo[i] = acc_hi[i] = 0.f;
+    for (int i = 0; i < QROWS / 2; ++i) acc[i] = 0.f;
     // Every issue_tile reaches tile_scores' waits on every path through the
     // loop's back edge, with no exit in between: ptxas serialises every wgmma
     // of the kernel (C7514, C7518) when it cannot see that.
@@ -491,11 +458,11 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
         cp_async_wait<STAGES - 1>();  // the query tile and key tile 0
         fence_proxy_async();
         __syncthreads();
-        issue_tile(acc_lo, acc_hi, k_tiles, q_tile);
+        issue_tile(acc, k_tiles, q_tile);
         int flag = 0;
         for (int j = 0;; ++j) {
             float owned[OWNED][2];
-            tile_scores(acc_lo, acc_hi, w_s, owned);
+            tile_scores(acc, w_s, owned);
             cp_async_wait<STAGES - 2>();  // key tile j + 1, where there is one
             fence_proxy_async();
             // Every warp is past tile j's groups and consume(j - 1); the
@@ -505,7 +472,7 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
                 consume(begin + j * KT, owned);
                 break;
             }
-            issue_tile(acc_lo, acc_hi, k_tiles + ((j + 1) % STAGES) * K_BYTES, q_tile);
+            issue_tile(acc, k_tiles + ((j + 1) % STAGES) * K_BYTES, q_tile);
             if (j + STAGES < n_tiles) load_key_tile(k_tiles, p, begin, j + STAGES);  // into tile j's stage
             else cp_async_commit();
             flag = consume(begin + j * KT, owned);  // overlaps tile j + 1's products
