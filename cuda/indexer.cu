@@ -135,19 +135,33 @@ __device__ __forceinline__ void load_rows(unsigned char* dst, const u16* src, in
     }
 }
 
+// Where the weight of accumulator column `col` (query col / H, head col % H)
+// sits in w_s: the four weights a quad lane multiplies in blocks 2p and
+// 2p + 1 (columns 8 j + 2 quad + {0, 1}) are 16 contiguous bytes, one
+// shared-memory load per block pair instead of two.
+__device__ __forceinline__ int w_slot(int col) {
+    const int j = col >> 3, quad = (col >> 1) & 3;
+    return 16 * (j >> 1) + 4 * quad + 2 * (j & 1) + (col & 1);
+}
+
 // The head-weighted ReLU sums s[qi][rr] of key rows key_row(rr), 8-column
 // blocks in ascending order, then the quad butterfly and one NaN. Finished
 // scores are identical in the four lanes of a quad.
 __device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 2], const float* w_s, float (&s)[TQ][2]) {
+    static_assert(ROW_BLOCKS % 2 == 0, "blocks in pairs");
     const int quad = threadIdx.x & 3;
     #pragma unroll
-    for (int j = 0; j < ROW_BLOCKS; ++j) {  // block j: query qi, its block jj
-        const int qi = j / QUERY_BLOCKS, jj = j % QUERY_BLOCKS;
-        const float2 wv = *reinterpret_cast<const float2*>(w_s + qi * H + 8 * jj + 2 * quad);
-        s[qi][0] = fmaf(wv.x, fmaxf(acc[4 * j + 0], 0.f), s[qi][0]);
-        s[qi][0] = fmaf(wv.y, fmaxf(acc[4 * j + 1], 0.f), s[qi][0]);
-        s[qi][1] = fmaf(wv.x, fmaxf(acc[4 * j + 2], 0.f), s[qi][1]);
-        s[qi][1] = fmaf(wv.y, fmaxf(acc[4 * j + 3], 0.f), s[qi][1]);
+    for (int pair = 0; pair < ROW_BLOCKS / 2; ++pair) {
+        const float4 w4 = *reinterpret_cast<const float4*>(w_s + 16 * pair + 4 * quad);
+        #pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            const int j = 2 * pair + b, qi = j / QUERY_BLOCKS;  // block j of query qi
+            const float w0 = b ? w4.z : w4.x, w1 = b ? w4.w : w4.y;
+            s[qi][0] = fmaf(w0, fmaxf(acc[4 * j + 0], 0.f), s[qi][0]);
+            s[qi][0] = fmaf(w1, fmaxf(acc[4 * j + 1], 0.f), s[qi][0]);
+            s[qi][1] = fmaf(w0, fmaxf(acc[4 * j + 2], 0.f), s[qi][1]);
+            s[qi][1] = fmaf(w1, fmaxf(acc[4 * j + 3], 0.f), s[qi][1]);
+        }
     }
     #pragma unroll
     for (int qi = 0; qi < TQ; ++qi) {
@@ -414,7 +428,8 @@ __device__ bool next_group(GroupShared& sh, const Problem& p, int* work_counter,
     const int t0 = g * TQ;
     load_rows<QROWS>(q_tile, p.q + (size_t)t0 * H * D, min(TQ, p.n_q - t0) * H);
     cp_async_commit();
-    for (int i = threadIdx.x; i < TQ * H; i += THREADS) w_s[i] = t0 * H + i < p.n_q * H ? p.w[(size_t)t0 * H + i] : 0.f;
+    for (int i = threadIdx.x; i < TQ * H; i += THREADS)
+        w_s[w_slot(i)] = t0 * H + i < p.n_q * H ? p.w[(size_t)t0 * H + i] : 0.f;
     if (threadIdx.x < TQ) {
         const int t = t0 + threadIdx.x;
         sh.lo[threadIdx.x] = t < p.n_q ? p.lo[t] : 0;
