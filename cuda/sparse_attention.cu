@@ -1,230 +1,416 @@
 // Sparse attention forward on tensor cores (layout: sparse_attention.cuh).
 //
-// sa_forward: warpgroup w computes the logits of the block's slots
-// 32w .. 32w+31 for all 64 heads (m64n32, K = 576), the two exchange row
-// maxima through shared memory, write p (16-bit) into a shared tile, and
-// each adds p v for its half of the 512 value columns (m64n256, K = 64):
-// online softmax in float32, base-2 exponent. With probs, a second walk over
-// the blocks recomputes the logits and sums exp(logit - lse) over the heads.
+// sa_forward: three warpgroups per CTA. The producer (warpgroup 2) gathers
+// the key blocks of query t, block 2i into buffer 0 and block 2i + 1 into
+// buffer 1, each buffer in two halves (left: features 0..255, right:
+// 256..575) that it refills as soon as their readers release them
+// (mbarriers). Consumer warpgroup w takes block 2i + w of pair i: its logits
+// for all 64 heads (m64n64, K = 576), then the online softmax as a chain
+// (warpgroup 0's row maxima first, warpgroup 1 combines them with its own,
+// warpgroup 0 picks the combined maxima up), then value columns 256w ..
+// 256w + 255 of both blocks: p v of its own block with p from registers and
+// of the other's block with p from the other's shared tile. While one
+// warpgroup runs its softmax, the other's products keep the tensor cores
+// busy. Online softmax in float32 with a base-2 exponent; p rounded to the
+// 16-bit type as an operand. Trailing blocks without a valid slot are
+// skipped; an odd block count leaves warpgroup 1 an empty last block.
 #include "wgmma.cuh"
 #include "sparse_attention.cuh"
+#include "sync.cuh"
 
 namespace {
 
-struct FwdShared {
-    int idx[2][BK];
-    float red[2][BH];  // per-warpgroup row maxima, then row sums
+constexpr int FWD_THREADS = 384;    // two consumer warpgroups, one producer
+constexpr int CONSUMER_REGS = 216;  // per thread, after the split (2 x 216 + 72 = 3 x 168)
+constexpr int PRODUCER_REGS = 72;
+constexpr int LEFT = 0, RIGHT = 1;       // buffer halves
+constexpr int LEFT_STEPS = 256 / 16;     // k-steps of the logits in the left half
+constexpr int ROPE_REGION = DV / 64;     // the region past the values: warpgroup 0's p tile once its logits are done
+enum : int { BAR_Q = 1, BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_L };  // named barriers of the consumers
+
+struct PairShared {
+    u64 ready[2][2];  // [buffer][half]: the half's rows have landed (128 producer arrivals)
+    u64 free[2][2];   // [buffer][half]: its readers are done with it (128 consumer arrivals)
+    float m[BH];      // row maxima: warpgroup 0's, then the pair's
+    float l[2][BH];   // each consumer warpgroup's row sums, at the end
+    int last_slot;    // the last slot of query t holding a key, -1 for none
 };
 
-// Stages the next key block into its buffer (nothing past the last block)
-// and commits the thread's cp.async group either way.
-struct NextBlockGather {
-    unsigned char* tile;
-    int* idx;
-    const u16* kv;
-    int s;
-    bool exists;
-    __device__ __forceinline__ void operator()() const {
-        if (exists) {
-            stage_key_row<0, D / 32>(tile, kv, s);
-            record_key(idx, s);
-        }
-        cp_async_commit();
-    }
+// The shared tiles of a CTA.
+struct Tiles {
+    unsigned char* q;
+    unsigned char* buf[2];  // key blocks 2i and 2i + 1
+    unsigned char* p[2];    // each consumer's p tile: buffer 0's rope region, then the tile past the buffers
 };
 
-// Walk the key blocks of query t: `body(b, tile, idx, gather_next)` works on
-// block b and must call gather_next() once, which stages block b + 1 into the
-// other buffer (so the body can first issue its products, then the gather).
-// The body may use any barrier and must have waited for its own reads of the
-// tile (wgmma) before it returns: block b + 1 then reuses block b - 1's
-// buffers once every thread is past the next block's barrier. With
-// skip_empty, blocks without a valid slot are passed over. All threads must
-// call this.
-template <typename Body>
-__device__ __forceinline__ void for_each_key_block(unsigned char* kv_tiles, FwdShared& sh, const u16* kv,
-                                                   const int* indices, int t, int k, bool skip_empty, Body&& body) {
-    const int nb = (k + BK - 1) / BK;
-    int s_cur = slot_key(indices, t, k, 0), s_next = slot_key(indices, t, k, 1);
-    stage_key_row<0, D / 32>(kv_tiles, kv, s_cur);
-    record_key(sh.idx[0], s_cur);
-    cp_async_commit();
-    for (int b = 0; b < nb; ++b) {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        const int any = __syncthreads_or(s_cur >= 0);  // block b landed; block b - 1 done everywhere
-        const NextBlockGather gather_next{kv_tiles + ((b + 1) & 1) * KV_BYTES, sh.idx[(b + 1) & 1], kv, s_next,
-                                          b + 1 < nb};
-        s_cur = s_next;
-        s_next = slot_key(indices, t, k, b + 2);
-        if (!any && skip_empty) {
-            gather_next();
-            continue;
-        }
-        body(b, kv_tiles + (b & 1) * KV_BYTES, sh.idx[b & 1], gather_next);
-    }
-    cp_async_wait<0>();
+// Logits of k-steps FIRST .. LAST-1 (16 features each) of a key block for
+// all 64 heads; FRESH: the first step overwrites s. Issue only.
+template <int FIRST, int LAST, bool FRESH>
+__device__ __forceinline__ void issue_logits(float (&s)[32], const unsigned char* q_tile, const unsigned char* tile) {
+    #pragma unroll
+    for (int kk = FIRST; kk < LAST; ++kk)
+        wgmma_m64n64k16<F16, 0, 0>(s, wgmma_desc_k(q_tile, kk, 64), wgmma_desc_k(tile, kk, 64),
+                                   !FRESH || kk > FIRST);
 }
 
-// Logits of the block's slots 32w .. 32w+31 in base-2 units (scale * log2 e
-// folded in), -inf at skipped slots; the next block's gather is issued while the products run.
-__device__ __forceinline__ void block_logits(float (&s)[16], const unsigned char* q_tile, const unsigned char* tile,
-                                             const int* idx, const Lane& ln, float sl2,
-                                             const NextBlockGather& gather_next) {
-    zero(s);
-    mma_begin(s);
-    issue_rows32<0, D / 16>(s, q_tile, tile + ln.w * 32 * 128);
-    wgmma_commit();
-    gather_next();
-    wgmma_wait_all();
-    wgmma_fence_operands(s);
+// Bit 2j + e: slot b * BK + 8j + cq + e of query t holds a key (the columns of this thread's logits).
+__device__ __forceinline__ u32 valid_slots(const int* indices, int t, int k, int b, const Lane& ln) {
+    const int* row = indices + (size_t)t * k;
+    u32 bits = 0;
     #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 8; ++j)
         #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            s[4 * j + e] = idx[ln.w * 32 + 8 * j + ln.cq + (e & 1)] >= 0 ? s[4 * j + e] * sl2 : neg_inf();
+        for (int e = 0; e < 2; ++e) {
+            const int slot = b * BK + 8 * j + ln.cq + e;
+            if (slot < k && __ldg(row + slot) >= 0) bits |= 1u << (2 * j + e);
+        }
+    return bits;
 }
 
-// One online-softmax step over a block: new row maxima (shared by both
-// warpgroups), p into the shared p tile, l and o rescaled.
-__device__ __forceinline__ void softmax_step(float (&s)[16], float (&o)[128], float (&m)[2], float (&l)[2],
-                                             FwdShared& sh, unsigned char* p_tile, const Lane& ln) {
-    float mx[2] = {neg_inf(), neg_inf()};
+// Logits to base-2 units (sl2 = scale * log2 e), -inf at skipped slots; mx: the rows' maxima over the block.
+__device__ __forceinline__ void scale_logits(float (&s)[32], u32 valid, float sl2, float (&mx)[2]) {
+    mx[0] = mx[1] = neg_inf();
     #pragma unroll
-    for (int i = 0; i < 16; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+    for (int i = 0; i < 32; ++i) {
+        s[i] = (valid >> (2 * (i >> 2) + (i & 1))) & 1 ? s[i] * sl2 : neg_inf();
+        mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+    }
     mx[0] = quad_max(mx[0]);
     mx[1] = quad_max(mx[1]);
-    if ((threadIdx.x & 3) == 0) {
-        sh.red[ln.w][ln.row0] = mx[0];
-        sh.red[ln.w][ln.row0 + 8] = mx[1];
-    }
-    __syncthreads();
-    float alpha[2], base[2], sum[2] = {0.f, 0.f};
+}
+
+// The running maximum m of each row rises to mn: o and l rescaled, m = mn.
+// Returns the subtrahend of the exponent (mn, or 0 for a row without a key yet).
+__device__ __forceinline__ void raise_max(float (&o)[128], float (&l)[2], float (&m)[2], const float (&mn)[2],
+                                          float (&base)[2]) {
+    float alpha[2];
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = ln.row0 + 8 * r;
-        const float mn = fmaxf(m[r], fmaxf(sh.red[0][row], sh.red[1][row]));
-        alpha[r] = mn == neg_inf() ? 1.f : exp2f(m[r] - mn);
-        base[r] = mn == neg_inf() ? 0.f : mn;
-        m[r] = mn;
+        alpha[r] = mn[r] == neg_inf() ? 1.f : exp2f(m[r] - mn[r]);
+        base[r] = mn[r] == neg_inf() ? 0.f : mn[r];
+        l[r] *= alpha[r];
+        m[r] = mn[r];
     }
-    #pragma unroll
-    for (int j = 0; j < 4; ++j)
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float p0 = exp2f(s[4 * j + 2 * r] - base[r]), p1 = exp2f(s[4 * j + 2 * r + 1] - base[r]);
-            sum[r] += p0;
-            sum[r] += p1;
-            *reinterpret_cast<u32*>(p_tile + tile_offset(ln.row0 + 8 * r, ln.w * 32 + 8 * j + ln.cq)) =
-                pack_half2<F16>(p0, p1);
-        }
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
     #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
 }
 
-// o (+)= p v for this warpgroup's 256 value columns.
-__device__ __forceinline__ void add_pv(float (&o)[128], const unsigned char* p_tile, const unsigned char* tile,
-                                       const Lane& ln) {
-    mma_begin(o);
+// p = exp2(s - base) in place; l += the thread's part of each row's sum.
+__device__ __forceinline__ void exponentiate(float (&s)[32], const float (&base)[2], float (&l)[2]) {
+    #pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        s[i] = exp2f(s[i] - base[(i >> 1) & 1]);
+        l[(i >> 1) & 1] += s[i];
+    }
+}
+
+// p * c[row] rounded to 16 bits as wgmma A fragments: a[4kk .. 4kk+3] cover
+// slots 16kk .. 16kk+15 (a[m] holds p[2m], p[2m+1]).
+__device__ __forceinline__ void pack_fragment(u32 (&a)[16], const float (&p)[32], const float (&c)[2]) {
+    #pragma unroll
+    for (int m = 0; m < 16; ++m) a[m] = pack_half2<F16>(p[2 * m] * c[m & 1], p[2 * m + 1] * c[m & 1]);
+}
+
+// Keep the compiler from changing a's registers while a wgmma reads them.
+__device__ __forceinline__ void hold_fragment(u32 (&a)[16]) {
+    #pragma unroll
+    for (int m = 0; m < 16; ++m) asm volatile("" : "+r"(a[m])::"memory");
+}
+
+// The fragments into a 64 x 64 swizzled tile: row = head, column = slot.
+__device__ __forceinline__ void store_p_tile(unsigned char* tile, const u32 (&a)[16], const Lane& ln) {
+    #pragma unroll
+    for (int m = 0; m < 16; ++m)
+        *reinterpret_cast<u32*>(tile + tile_offset(ln.row0 + 8 * (m & 1), 8 * (m >> 1) + ln.cq)) = a[m];
+}
+
+// o += p v over a block's 64 slots, value columns 256 half .. 256 half + 255; p from registers. Issue only.
+__device__ __forceinline__ void issue_pv_own(float (&o)[128], const u32 (&a)[16], const unsigned char* tile,
+                                             int half) {
+    #pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        const u32 frag[4] = {a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3]};
+        wgmma_m64n256k16_rs<F16, 1>(o, frag, wgmma_desc_mn(tile + half * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);
+    }
+}
+
+// The same with p from a shared p tile. Issue only.
+__device__ __forceinline__ void issue_pv_other(float (&o)[128], const unsigned char* p_tile,
+                                               const unsigned char* tile, int half) {
     #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
         wgmma_m64n256k16<F16, 0, 1>(o, wgmma_desc_k(p_tile, kk, 64),
-                                    wgmma_desc_mn(tile + ln.w * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);
-    mma_end();
-    wgmma_fence_operands(o);
+                                    wgmma_desc_mn(tile + half * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);
 }
 
-// probs[slot] of this CTA's heads: sum over heads of exp2(logit - lse2), in a fixed order.
-__device__ __forceinline__ void block_probs(const float (&s)[16], const float (&lse2)[2], const bool (&live)[2],
-                                            float* col, float* probs_row, int b, int k, const Lane& ln) {
-    float cs[8];
-    #pragma unroll
-    for (int j = 0; j < 4; ++j)
-        #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const float p0 = live[0] ? exp2f(s[4 * j + c] - lse2[0]) : 0.f;
-            const float p1 = live[1] ? exp2f(s[4 * j + 2 + c] - lse2[1]) : 0.f;
-            cs[2 * j + c] = p0 + p1;
+// Wait until a half of a buffer has landed; then the wgmma of the warpgroup may read it.
+__device__ __forceinline__ void wait_half(PairShared& sh, int buf, int half, int parity) {
+    mbarrier_wait(&sh.ready[buf][half], parity);
+    fence_proxy_async();
+    wgmma_fence();
+}
+
+// Warpgroup 0's logits of block 2i (left half first: the producer fills it first).
+__device__ __forceinline__ void logits_first(float (&s)[32], const Tiles& tl, PairShared& sh, int parity) {
+    wait_half(sh, 0, LEFT, parity);
+    mma_begin(s);
+    issue_logits<0, LEFT_STEPS, true>(s, tl.q, tl.buf[0]);
+    wait_half(sh, 0, RIGHT, parity);
+    issue_logits<LEFT_STEPS, D / 16, false>(s, tl.q, tl.buf[0]);
+    wgmma_commit();
+}
+
+// Consumer warpgroup 0 over `pairs` pairs of blocks; o, l, m as the end leaves them.
+__device__ __forceinline__ void run_consumer0(float (&o)[128], float (&l)[2], float (&m)[2], const Tiles& tl,
+                                              PairShared& sh, const int* indices, int t, int k, int pairs,
+                                              float sl2, const Lane& ln) {
+    float s[32];
+    u32 a[16];
+    u32 valid = valid_slots(indices, t, k, 0, ln);
+    if (pairs > 0) {
+        logits_first(s, tl, sh, 0);
+        wgmma_wait<0>();
+        wgmma_fence_operands(s);
+    }
+    for (int i = 0; i < pairs; ++i) {
+        float mx[2], base[2];
+        scale_logits(s, valid, sl2, mx);
+        const float mn[2] = {fmaxf(m[0], mx[0]), fmaxf(m[1], mx[1])};
+        raise_max(o, l, m, mn, base);
+        exponentiate(s, base, l);
+        const float one[2] = {1.f, 1.f};
+        pack_fragment(a, s, one);
+        if ((threadIdx.x & 3) == 0) {
+            sh.m[ln.row0] = m[0];
+            sh.m[ln.row0 + 8] = m[1];
         }
+        bar_arrive(BAR_MAX0, 2 * 128);
+        mma_begin(o);
+        hold_fragment(a);
+        issue_pv_own(o, a, tl.buf[0], 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        hold_fragment(a);
+        mbarrier_arrive(&sh.free[0][LEFT]);
+        // The pair's maxima from warpgroup 1: p of block 2i and o rescaled to them.
+        bar_sync(BAR_MAX1, 2 * 128);
+        float c[2];
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float pair_max = sh.m[ln.row0 + 8 * r];
+            c[r] = pair_max == neg_inf() ? 1.f : exp2f(m[r] - pair_max);
+            m[r] = pair_max;
+            l[r] *= c[r];
+        }
+        pack_fragment(a, s, c);
+        store_p_tile(tl.p[0], a, ln);
+        fence_proxy_async();
+        bar_arrive(BAR_P0, 2 * 128);
+        #pragma unroll
+        for (int j = 0; j < 128; ++j) o[j] *= c[(j >> 1) & 1];
+        bar_sync(BAR_P1, 2 * 128);
+        mma_begin(o);
+        issue_pv_other(o, tl.p[1], tl.buf[1], 0);
+        wgmma_commit();
+        if (i + 1 < pairs) {
+            valid = valid_slots(indices, t, k, 2 * (i + 1), ln);
+            wait_half(sh, 0, LEFT, (i + 1) & 1);
+            mma_begin(s);
+            issue_logits<0, LEFT_STEPS, true>(s, tl.q, tl.buf[0]);
+            wgmma_commit();
+            wgmma_wait<1>();
+            mbarrier_arrive(&sh.free[1][LEFT]);
+            wait_half(sh, 0, RIGHT, (i + 1) & 1);
+            issue_logits<LEFT_STEPS, D / 16, false>(s, tl.q, tl.buf[0]);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operands(s);
+        } else {
+            wgmma_wait<0>();
+            mbarrier_arrive(&sh.free[1][LEFT]);
+        }
+        wgmma_fence_operands(o);
+    }
+}
+
+// Consumer warpgroup 1 over `pairs` pairs of blocks; o, l, m as the end leaves them.
+__device__ __forceinline__ void run_consumer1(float (&o)[128], float (&l)[2], float (&m)[2], const Tiles& tl,
+                                              PairShared& sh, const int* indices, int t, int k, int pairs,
+                                              float sl2, const Lane& ln) {
+    float s[32];
+    u32 a[16];
+    for (int i = 0; i < pairs; ++i) {
+        const u32 valid = valid_slots(indices, t, k, 2 * i + 1, ln);
+        // Right half first: warpgroup 0 releases the left half of buffer 1 last.
+        wait_half(sh, 1, RIGHT, i & 1);
+        mma_begin(s);
+        issue_logits<LEFT_STEPS, D / 16, true>(s, tl.q, tl.buf[1]);
+        wait_half(sh, 1, LEFT, i & 1);
+        issue_logits<0, LEFT_STEPS, false>(s, tl.q, tl.buf[1]);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(s);
+        float mx[2], base[2];
+        scale_logits(s, valid, sl2, mx);
+        bar_sync(BAR_MAX0, 2 * 128);
+        const float mn[2] = {fmaxf(sh.m[ln.row0], mx[0]), fmaxf(sh.m[ln.row0 + 8], mx[1])};
+        __syncwarp();  // every lane has read its rows' maxima before they are overwritten
+        if ((threadIdx.x & 3) == 0) {
+            sh.m[ln.row0] = mn[0];
+            sh.m[ln.row0 + 8] = mn[1];
+        }
+        bar_arrive(BAR_MAX1, 2 * 128);
+        raise_max(o, l, m, mn, base);
+        exponentiate(s, base, l);
+        const float one[2] = {1.f, 1.f};
+        pack_fragment(a, s, one);
+        mma_begin(o);
+        hold_fragment(a);
+        issue_pv_own(o, a, tl.buf[1], 1);
+        wgmma_commit();
+        store_p_tile(tl.p[1], a, ln);
+        bar_sync(BAR_P0, 2 * 128);
+        issue_pv_other(o, tl.p[0], tl.buf[0], 1);
+        wgmma_commit();
+        fence_proxy_async();
+        bar_arrive(BAR_P1, 2 * 128);
+        wgmma_wait<1>();
+        hold_fragment(a);
+        mbarrier_arrive(&sh.free[1][RIGHT]);
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        mbarrier_arrive(&sh.free[0][RIGHT]);
+    }
+}
+
+// This producer thread's share of gathering regions R0 .. R1-1 of a block's
+// kv rows into a buffer: rows group + 16 r (keys[r]; zeros where < 0),
+// 16-byte chunk `chunk` of each region (8 threads cover a row's 128 bytes).
+template <int R0, int R1>
+__device__ __forceinline__ void gather_half(unsigned char* tile, const u16* kv, const int (&keys)[4], int group,
+                                            int chunk, u64 policy) {
     #pragma unroll
-    for (int i = 0; i < 8; ++i)
+    for (int r = 0; r < 4; ++r) {
+        const int row = group + 16 * r;
+        const u16* src = kv + (size_t)(keys[r] >= 0 ? keys[r] : 0) * D + chunk * 8;
         #pragma unroll
-        for (int d = 4; d < 32; d <<= 1) cs[i] += __shfl_xor_sync(FULL_MASK, cs[i], d);
-    if ((threadIdx.x & 31) < 4)
+        for (int region = R0; region < R1; ++region)
+            cp_async16(tile + region * REGION + row * 128 + ((chunk ^ (row & 7)) << 4), src + region * 64,
+                       keys[r] >= 0, policy);
+    }
+}
+
+// The producer warpgroup: both blocks of each pair, half by half, in the order the consumers read them.
+__device__ __forceinline__ void run_producer(const Tiles& tl, PairShared& sh, const u16* kv, const int* indices,
+                                             int t, int k, int pairs) {
+    const int tid = threadIdx.x - 256, group = tid >> 3, chunk = tid & 7;
+    const u64 policy = l2_evict_last();
+    for (int i = 0; i < pairs; ++i) {
+        const int parity = (i & 1) ^ 1;  // the previous pair's release; passes at once for pair 0
+        int keys[2][4];
         #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < 2; ++c)
             #pragma unroll
-            for (int c = 0; c < 2; ++c) col[(threadIdx.x >> 5) * 32 + 8 * j + ln.cq + c] = cs[2 * j + c];
+            for (int r = 0; r < 4; ++r) keys[c][r] = slot_key_at(indices, t, k, (2 * i + c) * BK + group + 16 * r);
+        mbarrier_wait(&sh.free[0][LEFT], parity);
+        gather_half<0, 4>(tl.buf[0], kv, keys[0], group, chunk, policy);
+        cp_async_arrive(&sh.ready[0][LEFT]);
+        mbarrier_wait(&sh.free[1][RIGHT], parity);
+        gather_half<4, D / 64>(tl.buf[1], kv, keys[1], group, chunk, policy);
+        cp_async_arrive(&sh.ready[1][RIGHT]);
+        mbarrier_wait(&sh.free[0][RIGHT], parity);
+        gather_half<4, D / 64>(tl.buf[0], kv, keys[0], group, chunk, policy);
+        cp_async_arrive(&sh.ready[0][RIGHT]);
+        mbarrier_wait(&sh.free[1][LEFT], parity);
+        gather_half<0, 4>(tl.buf[1], kv, keys[1], group, chunk, policy);
+        cp_async_arrive(&sh.ready[1][LEFT]);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+}
+
+// Blocks of query t up to the last one holding a key (all threads call this).
+__device__ __forceinline__ int blocks_with_keys(PairShared& sh, const int* indices, int t, int k) {
+    int last = -1;
+    for (int slot = threadIdx.x; slot < k; slot += FWD_THREADS)
+        if (indices[(size_t)t * k + slot] >= 0) last = slot;
+    if (last >= 0) atomicMax(&sh.last_slot, last);
     __syncthreads();
-    if (threadIdx.x < BK) {
-        const int c = threadIdx.x, first = (c >> 5) * 4;
-        const float* part = col + (c & 31);
-        const float v = ((part[first * 32] + part[(first + 1) * 32]) + part[(first + 2) * 32]) + part[(first + 3) * 32];
-        if (b * BK + c < k) probs_row[b * BK + c] = v;
+    return (sh.last_slot + BK) / BK;
+}
+
+// out (this warpgroup's 256 value columns) and lse of the CTA's heads from the consumers' o, l, m.
+__device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2], const float (&m)[2],
+                                             PairShared& sh, u16* out, float* lse, int t, int g, int h,
+                                             const Lane& ln) {
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] = quad_sum(l[r]);
+        if ((threadIdx.x & 3) == 0) sh.l[ln.w][ln.row0 + 8 * r] = l[r];
+    }
+    bar_sync(BAR_L, 2 * 128);
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = ln.row0 + 8 * r, head = g * BH + row;
+        if (head >= h) continue;
+        const float total = sh.l[0][row] + sh.l[1][row];
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        u16* dst = out + ((size_t)t * h + head) * DV + ln.w * 256 + ln.cq;
+        #pragma unroll
+        for (int j = 0; j < 32; ++j)
+            *reinterpret_cast<u32*>(dst + 8 * j) = pack_half2<F16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        if (ln.w == 0 && (threadIdx.x & 3) == 0)
+            lse[(size_t)t * h + head] = total > 0.f ? (m[r] + log2f(total)) * LN2 : neg_inf();
     }
 }
 
 }  // namespace
 
 // Dynamic shared memory: 1024 + Q_BYTES + 2 * KV_BYTES + P_BYTES (ops/sparse_attention/gpu.py).
-// Grid: N * groups CTAs (groups = ceil(h / 64)), CTA t * groups + g. probs
-// (nullable) is [N, groups, k]: each head group's sum; the caller adds the groups.
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse, float* probs, int h, int k,
-           float scale) {
-    __shared__ FwdShared sh;
-    unsigned char* q_tile = aligned_dynamic_smem();
-    unsigned char* kv_tiles = q_tile + Q_BYTES;
-    unsigned char* p_tile = kv_tiles + 2 * KV_BYTES;
+// Grid: N * groups CTAs (groups = ceil(h / 64)), CTA t * groups + g; FWD_THREADS threads.
+// out [N, h, 512] (q's 16-bit type), lse [N, h] float32 (natural log; -inf for a head without a valid slot).
+extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1)
+sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse, int h, int k, float scale) {
+    __shared__ PairShared sh;
+    Tiles tl;
+    tl.q = aligned_dynamic_smem();
+    tl.buf[0] = tl.q + Q_BYTES;
+    tl.buf[1] = tl.buf[0] + KV_BYTES;
+    tl.p[0] = tl.buf[0] + ROPE_REGION * REGION;
+    tl.p[1] = tl.buf[1] + KV_BYTES;
     const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
-    const Lane ln = lane_geometry();
-    const float sl2 = scale * LOG2E;
-    stage_heads<D>(q_tile, q, t, g, h);
-    cp_async_commit();
-    float o[128], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
-    zero(o);
-    for_each_key_block(kv_tiles, sh, kv, indices, t, k, true, [&](int, const unsigned char* tile, const int* idx,
-                                                                  const NextBlockGather& gather_next) {
-        float s[16];
-        block_logits(s, q_tile, tile, idx, ln, sl2, gather_next);
-        softmax_step(s, o, m, l, sh, p_tile, ln);
-        fence_proxy_async();
-        __syncthreads();
-        add_pv(o, p_tile, tile, ln);
-    });
-    l[0] = quad_sum(l[0]);
-    l[1] = quad_sum(l[1]);
-    if ((threadIdx.x & 3) == 0) {
-        sh.red[ln.w][ln.row0] = l[0];
-        sh.red[ln.w][ln.row0 + 8] = l[1];
+    if (threadIdx.x < 2 * 128) {
+        stage_heads<D>(tl.q, q, t, g, h);
+        cp_async_commit();
+    }
+    if (threadIdx.x == 0) {
+        #pragma unroll
+        for (int b = 0; b < 2; ++b)
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                mbarrier_init(&sh.ready[b][half], 128);
+                mbarrier_init(&sh.free[b][half], 128);
+            }
+        sh.last_slot = -1;
     }
     __syncthreads();
-    float lse2[2];
-    bool live[2];
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = ln.row0 + 8 * r, head = g * BH + row;
-        const float total = sh.red[0][row] + sh.red[1][row];
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        live[r] = head < h && total > 0.f;
-        lse2[r] = total > 0.f ? m[r] + log2f(total) : neg_inf();
-        if (head >= h) continue;
-        u16* dst = out + ((size_t)t * h + head) * DV + ln.w * 256 + ln.cq;
-        #pragma unroll
-        for (int j = 0; j < 32; ++j)
-            *reinterpret_cast<u32*>(dst + 8 * j) = pack_half2<F16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        if (ln.w == 0 && (threadIdx.x & 3) == 0) lse[(size_t)t * h + head] = lse2[r] * LN2;
+    const int pairs = (blocks_with_keys(sh, indices, t, k) + 1) / 2;
+    if (threadIdx.x >= 2 * 128) {
+        registers_lower<PRODUCER_REGS>();
+        run_producer(tl, sh, kv, indices, t, k, pairs);
+        return;
     }
-    if (probs == nullptr) return;
-    float* probs_row = probs + ((size_t)t * groups + g) * k;
-    float* col = reinterpret_cast<float*>(p_tile);  // [8 warps][32 columns]; the p tile is unused here
-    for_each_key_block(kv_tiles, sh, kv, indices, t, k, false, [&](int b, const unsigned char* tile, const int* idx,
-                                                                   const NextBlockGather& gather_next) {
-        float s[16];
-        block_logits(s, q_tile, tile, idx, ln, sl2, gather_next);
-        block_probs(s, lse2, live, col, probs_row, b, k, ln);
-    });
+    registers_raise<CONSUMER_REGS>();
+    const Lane ln = lane_geometry();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    bar_sync(BAR_Q, 2 * 128);
+    float o[128], l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};
+    zero(o);
+    if (ln.w == 0)
+        run_consumer0(o, l, m, tl, sh, indices, t, k, pairs, scale * LOG2E, ln);
+    else
+        run_consumer1(o, l, m, tl, sh, indices, t, k, pairs, scale * LOG2E, ln);
+    write_output(o, l, m, sh, out, lse, t, g, h, ln);
 }
-

@@ -99,11 +99,15 @@ __device__ __forceinline__ void stage_heads(unsigned char* tile, const u16* x, i
     stage_row<0, WIDTH / 32>(tile, x + ((size_t)t * h + (valid ? head : 0)) * WIDTH, valid);
 }
 
+// The key of slot `slot` of query t: -1 when skipped or past k.
+__device__ __forceinline__ int slot_key_at(const int* indices, int t, int k, int slot) {
+    return slot < k ? indices[(size_t)t * k + slot] : -1;
+}
+
 // The key of this thread's slot, b*BK + threadIdx.x / 4, of query t: -1 when
 // skipped or past k. Loops load it a block ahead of its use.
 __device__ __forceinline__ int slot_key(const int* indices, int t, int k, int b) {
-    const int slot = b * BK + (threadIdx.x >> 2);
-    return slot < k ? indices[(size_t)t * k + slot] : -1;
+    return slot_key_at(indices, t, k, b * BK + (threadIdx.x >> 2));
 }
 
 // This thread's share of gathering kv row s (zeros when s < 0) into row

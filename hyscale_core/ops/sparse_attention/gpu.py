@@ -12,12 +12,17 @@ Kernels (one CTA per query and group of 64 heads, the heads as the M of
 wgmma products, selected kv rows gathered into shared memory block by
 block of 64 slots):
 
-- forward: logits, online softmax, lse and every sum in float32; p is
-  rounded to the input's 16-bit type as the operand of p v; out rounded
-  once to q's dtype. ``probs`` needs the final lse, so a second walk over
-  the blocks recomputes the logits (about half the forward's tensor work
-  again; skipped with ``want_probs=False``) and sums exp(logit - lse) over
-  the heads in a fixed order (head groups of h > 64 are added in order).
+- forward: a producer warpgroup gathers the blocks two at a time into two
+  buffers while two consumer warpgroups take one block of each pair each:
+  logits, online softmax (the row maxima passed from one to the other),
+  and p v for their half of the value columns over both blocks, so one
+  warpgroup's softmax runs beside the other's products. Logits, softmax,
+  lse and every sum in float32; p is rounded to the input's 16-bit type as
+  the operand of p v; out rounded once to q's dtype. ``probs`` needs the
+  final lse, so a second kernel walks the blocks again, recomputes the
+  logits (about half the forward's tensor work again; skipped with
+  ``want_probs=False``) and sums exp(logit - lse) over the heads in a fixed
+  order (head groups of h > 64 are added in order).
 - backward: delta = rowsum(dout * out) in float32; per block p and dp are
   recomputed, ds = p (dp - delta) is rounded to 16-bit as an operand (and is
   exactly 0 on a row whose valid slots all hold one key, where p does not
@@ -53,9 +58,10 @@ from . import gpu_fallback
 # cuda/sparse_attention.cuh
 D_QK, D_V = 576, 512
 HEADS_PER_CTA, SLOTS_PER_BLOCK, THREADS = 64, 64, 256
+FORWARD_THREADS = 384  # cuda/sparse_attention.cu: two consumer warpgroups and a producer
 _TILE = 64 * 128  # one 64-row region of a swizzled tile, bytes
 IMAGE_BYTES = 2 * _TILE  # a block's ds and p' tiles
-SMEM_FORWARD = 1024 + 9 * _TILE + 2 * 9 * _TILE + _TILE
+SMEM_FORWARD = 1024 + 9 * _TILE + 2 * 9 * _TILE + _TILE  # q, two key blocks, a p tile (the probs kernel: sums)
 SMEM_DQ = 1024 + 9 * _TILE + 8 * _TILE + 9 * _TILE + _TILE
 GROUPS_PER_PASS = 2  # head groups one dkv-rows pass sums (its K: up to 128 heads)
 SMEM_DKV_ROWS = {gp: 1024 + 13 * gp * _TILE for gp in (1, 2)}  # q and dout columns of a half, 2 blocks of images
@@ -78,9 +84,13 @@ def _defines(q, kv, d_v: int, scale: float) -> tuple[str, ...] | None:
     return (f"HS_SA_F16={int(f16)}",)
 
 
+_SOURCES = {"sa_forward": "sparse_attention", "sa_forward_probs": "sparse_attention_probs"}
+
+
 def _kernel(name: str, smem: int, defines: tuple[str, ...]):
-    """sa_forward from cuda/sparse_attention.cu, the backward kernels from cuda/sparse_attention_bwd.cu."""
-    return get_kernel("sparse_attention" if name == "sa_forward" else "sparse_attention_bwd", name, smem, defines)
+    """sa_forward from cuda/sparse_attention.cu, sa_forward_probs from cuda/sparse_attention_probs.cu,
+    the backward kernels from cuda/sparse_attention_bwd.cu."""
+    return get_kernel(_SOURCES.get(name, "sparse_attention_bwd"), name, smem, defines)
 
 
 def _bits(x):
@@ -123,10 +133,13 @@ def sparse_attention(q, kv, indices, d_v: int, scale: float, want_probs: bool = 
         if part is not None:
             part.fill(np.nan)
     if n:
-        kernel = _kernel("sa_forward", SMEM_FORWARD, defines)
-        kernel((n * groups,), (THREADS,), (_bits(q), _bits(kv), indices, out, lse,
-                                          part if want_probs else np.uint64(0), np.int32(h), np.int32(k),
-                                          np.float32(scale)), shared_mem=SMEM_FORWARD)
+        _kernel("sa_forward", SMEM_FORWARD, defines)(
+            (n * groups,), (FORWARD_THREADS,), (_bits(q), _bits(kv), indices, out, lse, np.int32(h), np.int32(k),
+                                                np.float32(scale)), shared_mem=SMEM_FORWARD)
+    if n and want_probs:
+        _kernel("sa_forward_probs", SMEM_FORWARD, defines)(
+            (n * groups,), (THREADS,), (_bits(q), _bits(kv), indices, lse, part, np.int32(h), np.int32(k),
+                                        np.float32(scale)), shared_mem=SMEM_FORWARD)
     probs = _sum_groups(cp, part) if want_probs else None
     return out.view(q.dtype), lse, probs
 

@@ -1,0 +1,58 @@
+// Synchronisation between the warpgroups of a CTA (sm_90): mbarriers in
+// shared memory (a producer's cp.async copies arrive on them), named
+// barriers (bar.sync / bar.arrive over a subset of the CTA's warps) and the
+// per-warpgroup register budget (setmaxnreg, sm_90a).
+#pragma once
+
+#include "select.cuh"
+
+namespace hs {
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// One thread initialises an mbarrier that completes a phase after `count` arrivals.
+__device__ __forceinline__ void mbarrier_init(u64* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+// An arrival of this thread (release: its earlier memory accesses are seen by the waiters).
+__device__ __forceinline__ void mbarrier_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// An arrival once every earlier cp.async of this thread has landed (counts
+// against the expected arrivals: the barrier's count includes this thread).
+__device__ __forceinline__ void cp_async_arrive(u64* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Wait until the phase of parity `parity` has completed (acquire). A fresh
+// barrier is in phase 0, so waiting on parity 1 returns at once.
+__device__ __forceinline__ void mbarrier_wait(u64* bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "wait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads
+// (a multiple of 32): bar_sync waits for all of them, bar_arrive only counts
+// this warp in. Memory accesses before either are seen by threads past the sync.
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Raise or lower this warpgroup's per-thread register budget (all its warps
+// must call it; REGS a multiple of 8 in [24, 256]).
+template <int REGS>
+__device__ __forceinline__ void registers_raise() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+template <int REGS>
+__device__ __forceinline__ void registers_lower() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+
+}  // namespace hs
