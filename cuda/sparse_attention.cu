@@ -1,10 +1,10 @@
 // Sparse attention forward on tensor cores (layout: sparse_attention.cuh).
 //
-// sa_forward: three warpgroups per CTA. The producer (warpgroup 2) gathers
-// the key blocks of query t, block 2i into buffer 0 and block 2i + 1 into
-// buffer 1, each buffer in two halves (left: features 0..255, right:
-// 256..575) that it refills as soon as their readers release them
-// (mbarriers). Consumer warpgroup w takes block 2i + w of pair i: its logits
+// sa_forward: two warpgroups per CTA take the key blocks of query t in
+// pairs, block 2i in buffer 0 and block 2i + 1 in buffer 1. Each buffer is
+// gathered in two halves (left: features 0..255, right: 256..575), each half
+// by the warpgroup that reads it last, as soon as it has (cp.async, landing
+// signalled on an mbarrier). Warpgroup w takes block 2i + w of pair i: its logits
 // for all 64 heads (m64n64, K = 576), then the online softmax as a chain
 // (warpgroup 0's row maxima first, warpgroup 1 combines them with its own,
 // warpgroup 0 picks the combined maxima up), then value columns 256w ..
@@ -20,19 +20,20 @@
 
 namespace {
 
-constexpr int FWD_THREADS = 384;    // two consumer warpgroups, one producer
-constexpr int CONSUMER_REGS = 216;  // per thread, after the split (2 x 216 + 72 = 3 x 168)
-constexpr int PRODUCER_REGS = 72;
+// No producer warps: a warpgroup holds o, the logits and p's fragments (176
+// registers per thread), and any third warp on an SM sub-partition would cap
+// every thread at 168 registers. (A producer warpgroup that handed its
+// registers to the others by setmaxnreg stopped with an illegal instruction
+// on the H200, NVRTC 13.0.)
 constexpr int LEFT = 0, RIGHT = 1;       // buffer halves
 constexpr int LEFT_STEPS = 256 / 16;     // k-steps of the logits in the left half
 constexpr int ROPE_REGION = DV / 64;     // the region past the values: warpgroup 0's p tile once its logits are done
-enum : int { BAR_Q = 1, BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_L };  // named barriers of the consumers
+enum : int { BAR_MAX0 = 1, BAR_MAX1, BAR_P0, BAR_P1, BAR_L };  // named barriers of the two warpgroups
 
 struct PairShared {
-    u64 ready[2][2];  // [buffer][half]: the half's rows have landed (128 producer arrivals)
-    u64 free[2][2];   // [buffer][half]: its readers are done with it (128 consumer arrivals)
+    u64 ready[2][2];  // [buffer][half]: the half's rows have landed (128 arrivals: its gatherers)
     float m[BH];      // row maxima: warpgroup 0's, then the pair's
-    float l[2][BH];   // each consumer warpgroup's row sums, at the end
+    float l[2][BH];   // each warpgroup's row sums, at the end
     int last_slot;    // the last slot of query t holding a key, -1 for none
 };
 
@@ -40,7 +41,7 @@ struct PairShared {
 struct Tiles {
     unsigned char* q;
     unsigned char* buf[2];  // key blocks 2i and 2i + 1
-    unsigned char* p[2];    // each consumer's p tile: buffer 0's rope region, then the tile past the buffers
+    unsigned char* p[2];    // each warpgroup's p tile: buffer 0's rope region, then the tile past the buffers
 };
 
 // Logits of k-steps FIRST .. LAST-1 (16 features each) of a key block for
@@ -150,7 +151,41 @@ __device__ __forceinline__ void wait_half(PairShared& sh, int buf, int half, int
     wgmma_fence();
 }
 
-// Warpgroup 0's logits of block 2i (left half first: the producer fills it first).
+// This thread's place in gathering a block half: rows group + 16 r (r < 4),
+// 16-byte chunk `chunk` of each 128-byte region row (8 threads per row).
+struct GatherLane {
+    int group, chunk;
+};
+
+__device__ __forceinline__ GatherLane gather_lane() {
+    return GatherLane{(int)(threadIdx.x & 127) >> 3, (int)threadIdx.x & 7};
+}
+
+// The keys of this thread's rows of block b of query t (-1: skipped or past k).
+__device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, int t, int k, int b,
+                                           const GatherLane& gl) {
+    #pragma unroll
+    for (int r = 0; r < 4; ++r) keys[r] = slot_key_at(indices, t, k, b * BK + gl.group + 16 * r);
+}
+
+// This warpgroup gathers regions R0 .. R1-1 of a block's kv rows (zeros
+// where a key is < 0) into buffer `buf`; ready[buf][half] completes once they land.
+template <int R0, int R1>
+__device__ __forceinline__ void gather_half(PairShared& sh, const Tiles& tl, int buf, int half, const u16* kv,
+                                            const int (&keys)[4], const GatherLane& gl, u64 policy) {
+    #pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int row = gl.group + 16 * r;
+        const u16* src = kv + (size_t)(keys[r] >= 0 ? keys[r] : 0) * D + gl.chunk * 8;
+        #pragma unroll
+        for (int region = R0; region < R1; ++region)
+            cp_async16(tl.buf[buf] + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4), src + region * 64,
+                       keys[r] >= 0, policy);
+    }
+    cp_async_arrive(&sh.ready[buf][half]);
+}
+
+// Warpgroup 0's logits of block 2i (left half first: it is gathered first).
 __device__ __forceinline__ void logits_first(float (&s)[32], const Tiles& tl, PairShared& sh, int parity) {
     wait_half(sh, 0, LEFT, parity);
     mma_begin(s);
@@ -160,19 +195,31 @@ __device__ __forceinline__ void logits_first(float (&s)[32], const Tiles& tl, Pa
     wgmma_commit();
 }
 
-// Consumer warpgroup 0 over `pairs` pairs of blocks; o, l, m as the end leaves them.
-__device__ __forceinline__ void run_consumer0(float (&o)[128], float (&l)[2], float (&m)[2], const Tiles& tl,
-                                              PairShared& sh, const int* indices, int t, int k, int pairs,
-                                              float sl2, const Lane& ln) {
+// Warpgroup 0 over `pairs` pairs of blocks; o, l, m as the end leaves them.
+__device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], float (&m)[2], const Tiles& tl,
+                                              PairShared& sh, const u16* kv, const int* indices, int t, int k,
+                                              int pairs, float sl2, const Lane& ln) {
+    const GatherLane gl = gather_lane();
+    const u64 policy = l2_evict_last();
     float s[32];
     u32 a[16];
+    int keys[2][4];  // the rows this thread gathers of the next pair's blocks
     u32 valid = valid_slots(indices, t, k, 0, ln);
     if (pairs > 0) {
+        block_keys(keys[0], indices, t, k, 0, gl);
+        block_keys(keys[1], indices, t, k, 1, gl);
+        gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl, policy);
+        gather_half<0, 4>(sh, tl, 1, LEFT, kv, keys[1], gl, policy);
         logits_first(s, tl, sh, 0);
         wgmma_wait<0>();
         wgmma_fence_operands(s);
     }
     for (int i = 0; i < pairs; ++i) {
+        const bool next = i + 1 < pairs;
+        if (next) {
+            block_keys(keys[0], indices, t, k, 2 * i + 2, gl);
+            block_keys(keys[1], indices, t, k, 2 * i + 3, gl);
+        }
         float mx[2], base[2];
         scale_logits(s, valid, sl2, mx);
         const float mn[2] = {fmaxf(m[0], mx[0]), fmaxf(m[1], mx[1])};
@@ -184,7 +231,7 @@ __device__ __forceinline__ void run_consumer0(float (&o)[128], float (&l)[2], fl
             sh.m[ln.row0] = m[0];
             sh.m[ln.row0 + 8] = m[1];
         }
-        bar_arrive(BAR_MAX0, 2 * 128);
+        bar_arrive(BAR_MAX0, THREADS);
         mma_begin(o);
         hold_fragment(a);
         issue_pv_own(o, a, tl.buf[0], 0);
@@ -192,9 +239,9 @@ __device__ __forceinline__ void run_consumer0(float (&o)[128], float (&l)[2], fl
         wgmma_wait<0>();
         wgmma_fence_operands(o);
         hold_fragment(a);
-        mbarrier_arrive(&sh.free[0][LEFT]);
+        if (next) gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl, policy);  // block 2i is done with it
         // The pair's maxima from warpgroup 1: p of block 2i and o rescaled to them.
-        bar_sync(BAR_MAX1, 2 * 128);
+        bar_sync(BAR_MAX1, THREADS);
         float c[2];
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -206,21 +253,21 @@ __device__ __forceinline__ void run_consumer0(float (&o)[128], float (&l)[2], fl
         pack_fragment(a, s, c);
         store_p_tile(tl.p[0], a, ln);
         fence_proxy_async();
-        bar_arrive(BAR_P0, 2 * 128);
+        bar_arrive(BAR_P0, THREADS);
         #pragma unroll
         for (int j = 0; j < 128; ++j) o[j] *= c[(j >> 1) & 1];
-        bar_sync(BAR_P1, 2 * 128);
+        bar_sync(BAR_P1, THREADS);
         mma_begin(o);
         issue_pv_other(o, tl.p[1], tl.buf[1], 0);
         wgmma_commit();
-        if (i + 1 < pairs) {
-            valid = valid_slots(indices, t, k, 2 * (i + 1), ln);
+        if (next) {
+            valid = valid_slots(indices, t, k, 2 * i + 2, ln);
             wait_half(sh, 0, LEFT, (i + 1) & 1);
             mma_begin(s);
             issue_logits<0, LEFT_STEPS, true>(s, tl.q, tl.buf[0]);
             wgmma_commit();
             wgmma_wait<1>();
-            mbarrier_arrive(&sh.free[1][LEFT]);
+            gather_half<0, 4>(sh, tl, 1, LEFT, kv, keys[1], gl, policy);  // block 2i + 1 is done with it
             wait_half(sh, 0, RIGHT, (i + 1) & 1);
             issue_logits<LEFT_STEPS, D / 16, false>(s, tl.q, tl.buf[0]);
             wgmma_commit();
@@ -228,21 +275,34 @@ __device__ __forceinline__ void run_consumer0(float (&o)[128], float (&l)[2], fl
             wgmma_fence_operands(s);
         } else {
             wgmma_wait<0>();
-            mbarrier_arrive(&sh.free[1][LEFT]);
         }
         wgmma_fence_operands(o);
     }
 }
 
-// Consumer warpgroup 1 over `pairs` pairs of blocks; o, l, m as the end leaves them.
-__device__ __forceinline__ void run_consumer1(float (&o)[128], float (&l)[2], float (&m)[2], const Tiles& tl,
-                                              PairShared& sh, const int* indices, int t, int k, int pairs,
-                                              float sl2, const Lane& ln) {
+// Warpgroup 1 over `pairs` pairs of blocks; o, l, m as the end leaves them.
+__device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], float (&m)[2], const Tiles& tl,
+                                              PairShared& sh, const u16* kv, const int* indices, int t, int k,
+                                              int pairs, float sl2, const Lane& ln) {
+    const GatherLane gl = gather_lane();
+    const u64 policy = l2_evict_last();
     float s[32];
     u32 a[16];
+    int keys[2][4];  // the rows this thread gathers of the next pair's blocks
+    if (pairs > 0) {
+        block_keys(keys[0], indices, t, k, 0, gl);
+        block_keys(keys[1], indices, t, k, 1, gl);
+        gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl, policy);
+        gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl, policy);
+    }
     for (int i = 0; i < pairs; ++i) {
+        const bool next = i + 1 < pairs;
+        if (next) {
+            block_keys(keys[0], indices, t, k, 2 * i + 2, gl);
+            block_keys(keys[1], indices, t, k, 2 * i + 3, gl);
+        }
         const u32 valid = valid_slots(indices, t, k, 2 * i + 1, ln);
-        // Right half first: warpgroup 0 releases the left half of buffer 1 last.
+        // Right half first: warpgroup 0 gathers the left half of buffer 1 last.
         wait_half(sh, 1, RIGHT, i & 1);
         mma_begin(s);
         issue_logits<LEFT_STEPS, D / 16, true>(s, tl.q, tl.buf[1]);
@@ -253,14 +313,14 @@ __device__ __forceinline__ void run_consumer1(float (&o)[128], float (&l)[2], fl
         wgmma_fence_operands(s);
         float mx[2], base[2];
         scale_logits(s, valid, sl2, mx);
-        bar_sync(BAR_MAX0, 2 * 128);
+        bar_sync(BAR_MAX0, THREADS);
         const float mn[2] = {fmaxf(sh.m[ln.row0], mx[0]), fmaxf(sh.m[ln.row0 + 8], mx[1])};
         __syncwarp();  // every lane has read its rows' maxima before they are overwritten
         if ((threadIdx.x & 3) == 0) {
             sh.m[ln.row0] = mn[0];
             sh.m[ln.row0 + 8] = mn[1];
         }
-        bar_arrive(BAR_MAX1, 2 * 128);
+        bar_arrive(BAR_MAX1, THREADS);
         raise_max(o, l, m, mn, base);
         exponentiate(s, base, l);
         const float one[2] = {1.f, 1.f};
@@ -270,77 +330,31 @@ __device__ __forceinline__ void run_consumer1(float (&o)[128], float (&l)[2], fl
         issue_pv_own(o, a, tl.buf[1], 1);
         wgmma_commit();
         store_p_tile(tl.p[1], a, ln);
-        bar_sync(BAR_P0, 2 * 128);
+        bar_sync(BAR_P0, THREADS);
         issue_pv_other(o, tl.p[0], tl.buf[0], 1);
         wgmma_commit();
         fence_proxy_async();
-        bar_arrive(BAR_P1, 2 * 128);
+        bar_arrive(BAR_P1, THREADS);
         wgmma_wait<1>();
         hold_fragment(a);
-        mbarrier_arrive(&sh.free[1][RIGHT]);
+        if (next) gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl, policy);  // block 2i + 1 is done with it
         wgmma_wait<0>();
         wgmma_fence_operands(o);
-        mbarrier_arrive(&sh.free[0][RIGHT]);
+        if (next) gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl, policy);  // block 2i is done with it
     }
-}
-
-// This producer thread's share of gathering regions R0 .. R1-1 of a block's
-// kv rows into a buffer: rows group + 16 r (keys[r]; zeros where < 0),
-// 16-byte chunk `chunk` of each region (8 threads cover a row's 128 bytes).
-template <int R0, int R1>
-__device__ __forceinline__ void gather_half(unsigned char* tile, const u16* kv, const int (&keys)[4], int group,
-                                            int chunk, u64 policy) {
-    #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int row = group + 16 * r;
-        const u16* src = kv + (size_t)(keys[r] >= 0 ? keys[r] : 0) * D + chunk * 8;
-        #pragma unroll
-        for (int region = R0; region < R1; ++region)
-            cp_async16(tile + region * REGION + row * 128 + ((chunk ^ (row & 7)) << 4), src + region * 64,
-                       keys[r] >= 0, policy);
-    }
-}
-
-// The producer warpgroup: both blocks of each pair, half by half, in the order the consumers read them.
-__device__ __forceinline__ void run_producer(const Tiles& tl, PairShared& sh, const u16* kv, const int* indices,
-                                             int t, int k, int pairs) {
-    const int tid = threadIdx.x - 256, group = tid >> 3, chunk = tid & 7;
-    const u64 policy = l2_evict_last();
-    for (int i = 0; i < pairs; ++i) {
-        const int parity = (i & 1) ^ 1;  // the previous pair's release; passes at once for pair 0
-        int keys[2][4];
-        #pragma unroll
-        for (int c = 0; c < 2; ++c)
-            #pragma unroll
-            for (int r = 0; r < 4; ++r) keys[c][r] = slot_key_at(indices, t, k, (2 * i + c) * BK + group + 16 * r);
-        mbarrier_wait(&sh.free[0][LEFT], parity);
-        gather_half<0, 4>(tl.buf[0], kv, keys[0], group, chunk, policy);
-        cp_async_arrive(&sh.ready[0][LEFT]);
-        mbarrier_wait(&sh.free[1][RIGHT], parity);
-        gather_half<4, D / 64>(tl.buf[1], kv, keys[1], group, chunk, policy);
-        cp_async_arrive(&sh.ready[1][RIGHT]);
-        mbarrier_wait(&sh.free[0][RIGHT], parity);
-        gather_half<4, D / 64>(tl.buf[0], kv, keys[0], group, chunk, policy);
-        cp_async_arrive(&sh.ready[0][RIGHT]);
-        mbarrier_wait(&sh.free[1][LEFT], parity);
-        gather_half<0, 4>(tl.buf[1], kv, keys[1], group, chunk, policy);
-        cp_async_arrive(&sh.ready[1][LEFT]);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
 }
 
 // Blocks of query t up to the last one holding a key (all threads call this).
 __device__ __forceinline__ int blocks_with_keys(PairShared& sh, const int* indices, int t, int k) {
     int last = -1;
-    for (int slot = threadIdx.x; slot < k; slot += FWD_THREADS)
+    for (int slot = threadIdx.x; slot < k; slot += THREADS)
         if (indices[(size_t)t * k + slot] >= 0) last = slot;
     if (last >= 0) atomicMax(&sh.last_slot, last);
     __syncthreads();
     return (sh.last_slot + BK) / BK;
 }
 
-// out (this warpgroup's 256 value columns) and lse of the CTA's heads from the consumers' o, l, m.
+// out (this warpgroup's 256 value columns) and lse of the CTA's heads from the warpgroups' o, l, m.
 __device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2], const float (&m)[2],
                                              PairShared& sh, u16* out, float* lse, int t, int g, int h,
                                              const Lane& ln) {
@@ -349,7 +363,7 @@ __device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2
         l[r] = quad_sum(l[r]);
         if ((threadIdx.x & 3) == 0) sh.l[ln.w][ln.row0 + 8 * r] = l[r];
     }
-    bar_sync(BAR_L, 2 * 128);
+    bar_sync(BAR_L, THREADS);
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = ln.row0 + 8 * r, head = g * BH + row;
@@ -368,9 +382,9 @@ __device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2
 }  // namespace
 
 // Dynamic shared memory: 1024 + Q_BYTES + 2 * KV_BYTES + P_BYTES (ops/sparse_attention/gpu.py).
-// Grid: N * groups CTAs (groups = ceil(h / 64)), CTA t * groups + g; FWD_THREADS threads.
+// Grid: N * groups CTAs (groups = ceil(h / 64)), CTA t * groups + g; THREADS threads.
 // out [N, h, 512] (q's 16-bit type), lse [N, h] float32 (natural log; -inf for a head without a valid slot).
-extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse, int h, int k, float scale) {
     __shared__ PairShared sh;
     Tiles tl;
@@ -380,37 +394,26 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     tl.p[0] = tl.buf[0] + ROPE_REGION * REGION;
     tl.p[1] = tl.buf[1] + KV_BYTES;
     const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
-    if (threadIdx.x < 2 * 128) {
-        stage_heads<D>(tl.q, q, t, g, h);
-        cp_async_commit();
-    }
+    stage_heads<D>(tl.q, q, t, g, h);
+    cp_async_commit();
     if (threadIdx.x == 0) {
         #pragma unroll
         for (int b = 0; b < 2; ++b)
             #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                mbarrier_init(&sh.ready[b][half], 128);
-                mbarrier_init(&sh.free[b][half], 128);
-            }
+            for (int half = 0; half < 2; ++half) mbarrier_init(&sh.ready[b][half], 128);
         sh.last_slot = -1;
     }
     __syncthreads();
     const int pairs = (blocks_with_keys(sh, indices, t, k) + 1) / 2;
-    if (threadIdx.x >= 2 * 128) {
-        registers_lower<PRODUCER_REGS>();
-        run_producer(tl, sh, kv, indices, t, k, pairs);
-        return;
-    }
-    registers_raise<CONSUMER_REGS>();
     const Lane ln = lane_geometry();
-    cp_async_wait<0>();
+    cp_async_wait<0>();  // the q tile (the gathers are not committed to groups)
     fence_proxy_async();
-    bar_sync(BAR_Q, 2 * 128);
+    __syncthreads();
     float o[128], l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};
     zero(o);
     if (ln.w == 0)
-        run_consumer0(o, l, m, tl, sh, indices, t, k, pairs, scale * LOG2E, ln);
+        run_warpgroup0(o, l, m, tl, sh, kv, indices, t, k, pairs, scale * LOG2E, ln);
     else
-        run_consumer1(o, l, m, tl, sh, indices, t, k, pairs, scale * LOG2E, ln);
+        run_warpgroup1(o, l, m, tl, sh, kv, indices, t, k, pairs, scale * LOG2E, ln);
     write_output(o, l, m, sh, out, lse, t, g, h, ln);
 }

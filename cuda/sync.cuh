@@ -1,7 +1,6 @@
-// Synchronisation between the warpgroups of a CTA (sm_90): mbarriers in
-// shared memory (a producer's cp.async copies arrive on them), named
-// barriers (bar.sync / bar.arrive over a subset of the CTA's warps) and the
-// per-warpgroup register budget (setmaxnreg, sm_90a).
+// Synchronisation between the warps of a CTA (sm_90): mbarriers in shared
+// memory (a producer's cp.async copies arrive on them) and named barriers
+// (bar.sync / bar.arrive over a subset of the CTA's warps).
 #pragma once
 
 #include "select.cuh"
@@ -47,12 +46,5 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 __device__ __forceinline__ void bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-
-// Raise or lower this warpgroup's per-thread register budget (all its warps
-// must call it; REGS a multiple of 8 in [24, 256]).
-template <int REGS>
-__device__ __forceinline__ void registers_raise() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
-template <int REGS>
-__device__ __forceinline__ void registers_lower() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
 
 }  // namespace hs

@@ -12,11 +12,12 @@ Kernels (one CTA per query and group of 64 heads, the heads as the M of
 wgmma products, selected kv rows gathered into shared memory block by
 block of 64 slots):
 
-- forward: a producer warpgroup gathers the blocks two at a time into two
-  buffers while two consumer warpgroups take one block of each pair each:
-  logits, online softmax (the row maxima passed from one to the other),
-  and p v for their half of the value columns over both blocks, so one
-  warpgroup's softmax runs beside the other's products. Logits, softmax,
+- forward: the blocks go in pairs through two buffers, and each of the two
+  warpgroups takes one block of a pair: logits, online softmax (the row
+  maxima passed from one to the other), and p v for its half of the value
+  columns over both blocks, so one warpgroup's softmax runs beside the
+  other's products; each half of a buffer is gathered again by the
+  warpgroup that reads it last, as soon as it has. Logits, softmax,
   lse and every sum in float32; p is rounded to the input's 16-bit type as
   the operand of p v; out rounded once to q's dtype. ``probs`` needs the
   final lse, so a second kernel walks the blocks again, recomputes the
@@ -58,7 +59,6 @@ from . import gpu_fallback
 # cuda/sparse_attention.cuh
 D_QK, D_V = 576, 512
 HEADS_PER_CTA, SLOTS_PER_BLOCK, THREADS = 64, 64, 256
-FORWARD_THREADS = 384  # cuda/sparse_attention.cu: two consumer warpgroups and a producer
 _TILE = 64 * 128  # one 64-row region of a swizzled tile, bytes
 IMAGE_BYTES = 2 * _TILE  # a block's ds and p' tiles
 SMEM_FORWARD = 1024 + 9 * _TILE + 2 * 9 * _TILE + _TILE  # q, two key blocks, a p tile (the probs kernel: sums)
@@ -134,8 +134,8 @@ def sparse_attention(q, kv, indices, d_v: int, scale: float, want_probs: bool = 
             part.fill(np.nan)
     if n:
         _kernel("sa_forward", SMEM_FORWARD, defines)(
-            (n * groups,), (FORWARD_THREADS,), (_bits(q), _bits(kv), indices, out, lse, np.int32(h), np.int32(k),
-                                                np.float32(scale)), shared_mem=SMEM_FORWARD)
+            (n * groups,), (THREADS,), (_bits(q), _bits(kv), indices, out, lse, np.int32(h), np.int32(k),
+                                        np.float32(scale)), shared_mem=SMEM_FORWARD)
     if n and want_probs:
         _kernel("sa_forward_probs", SMEM_FORWARD, defines)(
             (n * groups,), (THREADS,), (_bits(q), _bits(kv), indices, lse, part, np.int32(h), np.int32(k),
