@@ -22,9 +22,7 @@ namespace {
 
 // No producer warps: a warpgroup holds o, the logits and p's fragments (176
 // registers per thread), and any third warp on an SM sub-partition would cap
-// every thread at 168 registers. (A producer warpgroup that handed its
-// registers to the others by setmaxnreg stopped with an illegal instruction
-// on the H200, NVRTC 13.0.)
+// every thread at 168 registers.
 constexpr int LEFT = 0, RIGHT = 1;       // buffer halves
 constexpr int LEFT_STEPS = 256 / 16;     // k-steps of the logits in the left half
 constexpr int ROPE_REGION = DV / 64;     // the region past the values: warpgroup 0's p tile once its logits are done
@@ -170,9 +168,12 @@ __device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, i
 
 // This warpgroup gathers regions R0 .. R1-1 of a block's kv rows (zeros
 // where a key is < 0) into buffer `buf`; ready[buf][half] completes once they land.
+// Plain copies: the same copies under an L2 evict-last policy (cp_async16's
+// policy overload, as the backward gathers) stopped this kernel with an
+// illegal instruction on the H200 (NVRTC 13.0), at the copies.
 template <int R0, int R1>
 __device__ __forceinline__ void gather_half(PairShared& sh, const Tiles& tl, int buf, int half, const u16* kv,
-                                            const int (&keys)[4], const GatherLane& gl, u64 policy) {
+                                            const int (&keys)[4], const GatherLane& gl) {
     #pragma unroll
     for (int r = 0; r < 4; ++r) {
         const int row = gl.group + 16 * r;
@@ -180,7 +181,7 @@ __device__ __forceinline__ void gather_half(PairShared& sh, const Tiles& tl, int
         #pragma unroll
         for (int region = R0; region < R1; ++region)
             cp_async16(tl.buf[buf] + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4), src + region * 64,
-                       keys[r] >= 0, policy);
+                       keys[r] >= 0);
     }
     cp_async_arrive(&sh.ready[buf][half]);
 }
@@ -200,7 +201,6 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
                                               PairShared& sh, const u16* kv, const int* indices, int t, int k,
                                               int pairs, float sl2, const Lane& ln) {
     const GatherLane gl = gather_lane();
-    const u64 policy = l2_evict_last();
     float s[32];
     u32 a[16];
     int keys[2][4];  // the rows this thread gathers of the next pair's blocks
@@ -208,8 +208,8 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
     if (pairs > 0) {
         block_keys(keys[0], indices, t, k, 0, gl);
         block_keys(keys[1], indices, t, k, 1, gl);
-        gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl, policy);
-        gather_half<0, 4>(sh, tl, 1, LEFT, kv, keys[1], gl, policy);
+        gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl);
+        gather_half<0, 4>(sh, tl, 1, LEFT, kv, keys[1], gl);
         logits_first(s, tl, sh, 0);
         wgmma_wait<0>();
         wgmma_fence_operands(s);
@@ -239,7 +239,7 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
         wgmma_wait<0>();
         wgmma_fence_operands(o);
         hold_fragment(a);
-        if (next) gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl, policy);  // block 2i is done with it
+        if (next) gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl);  // block 2i is done with it
         // The pair's maxima from warpgroup 1: p of block 2i and o rescaled to them.
         bar_sync(BAR_MAX1, THREADS);
         float c[2];
@@ -267,7 +267,7 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
             issue_logits<0, LEFT_STEPS, true>(s, tl.q, tl.buf[0]);
             wgmma_commit();
             wgmma_wait<1>();
-            gather_half<0, 4>(sh, tl, 1, LEFT, kv, keys[1], gl, policy);  // block 2i + 1 is done with it
+            gather_half<0, 4>(sh, tl, 1, LEFT, kv, keys[1], gl);  // block 2i + 1 is done with it
             wait_half(sh, 0, RIGHT, (i + 1) & 1);
             issue_logits<LEFT_STEPS, D / 16, false>(s, tl.q, tl.buf[0]);
             wgmma_commit();
@@ -285,15 +285,14 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
                                               PairShared& sh, const u16* kv, const int* indices, int t, int k,
                                               int pairs, float sl2, const Lane& ln) {
     const GatherLane gl = gather_lane();
-    const u64 policy = l2_evict_last();
     float s[32];
     u32 a[16];
     int keys[2][4];  // the rows this thread gathers of the next pair's blocks
     if (pairs > 0) {
         block_keys(keys[0], indices, t, k, 0, gl);
         block_keys(keys[1], indices, t, k, 1, gl);
-        gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl, policy);
-        gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl, policy);
+        gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl);
+        gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl);
     }
     for (int i = 0; i < pairs; ++i) {
         const bool next = i + 1 < pairs;
@@ -337,10 +336,10 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
         bar_arrive(BAR_P1, THREADS);
         wgmma_wait<1>();
         hold_fragment(a);
-        if (next) gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl, policy);  // block 2i + 1 is done with it
+        if (next) gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl);  // block 2i + 1 is done with it
         wgmma_wait<0>();
         wgmma_fence_operands(o);
-        if (next) gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl, policy);  // block 2i is done with it
+        if (next) gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl);  // block 2i is done with it
     }
 }
 
