@@ -353,9 +353,9 @@ __device__ __forceinline__ int blocks_with_keys(PairShared& sh, const int* indic
     return (sh.last_slot + BK) / BK;
 }
 
-// out (this warpgroup's 256 value columns) and lse of the CTA's heads from the warpgroups' o, l, m.
+// out (this warpgroup's 256 value columns), lse and lse2 (nullable) of the CTA's heads from the warpgroups' o, l, m.
 __device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2], const float (&m)[2],
-                                             PairShared& sh, u16* out, float* lse, int t, int g, int h,
+                                             PairShared& sh, u16* out, float* lse, float* lse2, int t, int g, int h,
                                              const Lane& ln) {
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -373,8 +373,11 @@ __device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2
         #pragma unroll
         for (int j = 0; j < 32; ++j)
             *reinterpret_cast<u32*>(dst + 8 * j) = pack_half2<F16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        if (ln.w == 0 && (threadIdx.x & 3) == 0)
-            lse[(size_t)t * h + head] = total > 0.f ? (m[r] + log2f(total)) * LN2 : neg_inf();
+        const float base2 = total > 0.f ? m[r] + log2f(total) : neg_inf();
+        if (ln.w == 0 && (threadIdx.x & 3) == 0) {
+            lse[(size_t)t * h + head] = base2 * LN2;
+            if (lse2 != nullptr) lse2[(size_t)t * h + head] = base2;
+        }
     }
 }
 
@@ -382,9 +385,12 @@ __device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2
 
 // Dynamic shared memory: 1024 + Q_BYTES + 2 * KV_BYTES + P_BYTES (ops/sparse_attention/gpu.py).
 // Grid: N * groups CTAs (groups = ceil(h / 64)), CTA t * groups + g; THREADS threads.
-// out [N, h, 512] (q's 16-bit type), lse [N, h] float32 (natural log; -inf for a head without a valid slot).
+// out [N, h, 512] (q's 16-bit type), lse [N, h] float32 (natural log; -inf
+// for a head without a valid slot); lse2 (nullable) [N, h] float32: the
+// same in base 2, exactly as the softmax used it (sa_forward_probs reads it).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse, int h, int k, float scale) {
+sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse, float* lse2, int h, int k,
+           float scale) {
     __shared__ PairShared sh;
     Tiles tl;
     tl.q = aligned_dynamic_smem();
@@ -414,5 +420,5 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
         run_warpgroup0(o, l, m, tl, sh, kv, indices, t, k, pairs, scale * LOG2E, ln);
     else
         run_warpgroup1(o, l, m, tl, sh, kv, indices, t, k, pairs, scale * LOG2E, ln);
-    write_output(o, l, m, sh, out, lse, t, g, h, ln);
+    write_output(o, l, m, sh, out, lse, lse2, t, g, h, ln);
 }

@@ -1,6 +1,6 @@
 // probs of sparse attention (layout: sparse_attention.cuh): the attention
-// probability at each selected slot summed over a CTA's heads, from the lse
-// the forward (sparse_attention.cu) wrote.
+// probability at each selected slot summed over a CTA's heads, from the
+// base-2 lse the forward (sparse_attention.cu) wrote.
 //
 // sa_forward_probs: two warpgroups walk the key blocks of query t; warpgroup
 // w computes the logits of the block's slots 32w .. 32w+31 for all 64 heads
@@ -113,10 +113,10 @@ __device__ __forceinline__ void block_probs(const float (&s)[16], const float (&
 
 // Dynamic shared memory: 1024 + Q_BYTES + 2 * KV_BYTES + P_BYTES (ops/sparse_attention/gpu.py).
 // Grid: N * groups CTAs (groups = ceil(h / 64)), CTA t * groups + g; THREADS
-// threads. lse [N, h] float32 (natural log, -inf for a head without a valid
+// threads. lse2 [N, h] float32 (base 2, -inf for a head without a valid
 // slot); probs [N, groups, k]: each head group's sum, the caller adds the groups.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-sa_forward_probs(const u16* q, const u16* kv, const int* indices, const float* lse, float* probs, int h, int k,
+sa_forward_probs(const u16* q, const u16* kv, const int* indices, const float* lse2, float* probs, int h, int k,
                  float scale) {
     __shared__ WalkShared sh;
     unsigned char* q_tile = aligned_dynamic_smem();
@@ -126,20 +126,19 @@ sa_forward_probs(const u16* q, const u16* kv, const int* indices, const float* l
     const Lane ln = lane_geometry();
     stage_heads<D>(q_tile, q, t, g, h);
     cp_async_commit();
-    float lse2[2];
+    float row_lse2[2];
     bool live[2];
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int head = g * BH + ln.row0 + 8 * r;
-        const float x = head < h ? lse[(size_t)t * h + head] : neg_inf();
-        live[r] = x != neg_inf();
-        lse2[r] = x * LOG2E;
+        row_lse2[r] = head < h ? lse2[(size_t)t * h + head] : neg_inf();
+        live[r] = row_lse2[r] != neg_inf();
     }
     float* probs_row = probs + ((size_t)t * groups + g) * k;
     for_each_key_block(kv_tiles, sh, kv, indices, t, k, [&](int b, const unsigned char* tile, const int* idx,
                                                                    const NextBlockGather& gather_next) {
         float s[16];
         block_logits(s, q_tile, tile, idx, ln, scale * LOG2E, gather_next);
-        block_probs(s, lse2, live, col, probs_row, b, k, ln);
+        block_probs(s, row_lse2, live, col, probs_row, b, k, ln);
     });
 }

@@ -127,6 +127,7 @@ def sparse_attention(q, kv, indices, d_v: int, scale: float, want_probs: bool = 
     out = cp.empty((n, h, d_v), dtype=cp.uint16)
     lse = cp.empty((n, h), dtype=cp.float32)
     part = cp.empty((n, groups, k), dtype=cp.float32) if want_probs else None
+    lse2 = cp.empty((n, h), dtype=cp.float32) if want_probs else None  # lse in base 2, for the probs kernel
     if POISON_OUTPUTS:
         out.fill(0xFFFF)
         lse.fill(np.nan)
@@ -134,11 +135,12 @@ def sparse_attention(q, kv, indices, d_v: int, scale: float, want_probs: bool = 
             part.fill(np.nan)
     if n:
         _kernel("sa_forward", SMEM_FORWARD, defines)(
-            (n * groups,), (THREADS,), (_bits(q), _bits(kv), indices, out, lse, np.int32(h), np.int32(k),
+            (n * groups,), (THREADS,), (_bits(q), _bits(kv), indices, out, lse,
+                                        lse2 if want_probs else np.uint64(0), np.int32(h), np.int32(k),
                                         np.float32(scale)), shared_mem=SMEM_FORWARD)
     if n and want_probs:
         _kernel("sa_forward_probs", SMEM_FORWARD, defines)(
-            (n * groups,), (THREADS,), (_bits(q), _bits(kv), indices, lse, part, np.int32(h), np.int32(k),
+            (n * groups,), (THREADS,), (_bits(q), _bits(kv), indices, lse2, part, np.int32(h), np.int32(k),
                                         np.float32(scale)), shared_mem=SMEM_FORWARD)
     probs = _sum_groups(cp, part) if want_probs else None
     return out.view(q.dtype), lse, probs
