@@ -529,6 +529,19 @@ def test_kernels_precise_dkv_within_twice_naive_error(kernels, h):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("keys", [1, 64, 65, 129, 1000])
+def test_kernels_forward_rows_ending_in_empty_blocks(kernels, keys):
+    """The forward takes blocks of 64 slots in pairs and stops after the last
+    block holding a key: rows whose keys fill only the first `keys` of k =
+    2048 slots (one block, an odd count, a lone slot in its block), and one
+    row without keys."""
+    q, kv, indices = make_inputs(np.random.default_rng(30), 4, 64, 2048, 3000, dtype=bfloat16, skip=0.1)
+    indices[:, keys:] = -1
+    indices[2] = -1
+    check_forward("gpu", q, kv, indices)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("h", [100, 150])
 def test_kernels_partial_head_group_and_custom_scale(kernels, h):
     """h = 100: a full group of 64 heads and one of 36 (probs add the groups;
