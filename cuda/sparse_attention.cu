@@ -20,9 +20,9 @@
 
 namespace {
 
-// No producer warps: a warpgroup holds o, the logits and p's fragments (176
-// registers per thread), and any third warp on an SM sub-partition would cap
-// every thread at 168 registers.
+// Two warpgroups and no gathering warps besides: each thread holds o, the
+// logits and p's fragments (176 registers), and with a third warpgroup, or
+// even one more warp, ptxas caps every thread at 168 registers.
 constexpr int LEFT = 0, RIGHT = 1;       // buffer halves
 constexpr int LEFT_STEPS = 256 / 16;     // k-steps of the logits in the left half
 constexpr int ROPE_REGION = DV / 64;     // the region past the values: warpgroup 0's p tile once its logits are done
@@ -78,8 +78,16 @@ __device__ __forceinline__ void scale_logits(float (&s)[32], u32 valid, float sl
     mx[1] = quad_max(mx[1]);
 }
 
-// The running maximum m of each row rises to mn: o and l rescaled, m = mn.
-// Returns the subtrahend of the exponent (mn, or 0 for a row without a key yet).
+// o and l of each row times c[row].
+__device__ __forceinline__ void rescale_rows(float (&o)[128], float (&l)[2], const float (&c)[2]) {
+    l[0] *= c[0];
+    l[1] *= c[1];
+    #pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] *= c[(i >> 1) & 1];
+}
+
+// The running maximum m of each row rises to mn: o and l rescaled, m = mn;
+// base: the subtrahend of the exponent (mn, or 0 for a row without a key yet).
 __device__ __forceinline__ void raise_max(float (&o)[128], float (&l)[2], float (&m)[2], const float (&mn)[2],
                                           float (&base)[2]) {
     float alpha[2];
@@ -87,11 +95,9 @@ __device__ __forceinline__ void raise_max(float (&o)[128], float (&l)[2], float 
     for (int r = 0; r < 2; ++r) {
         alpha[r] = mn[r] == neg_inf() ? 1.f : exp2f(m[r] - mn[r]);
         base[r] = mn[r] == neg_inf() ? 0.f : mn[r];
-        l[r] *= alpha[r];
         m[r] = mn[r];
     }
-    #pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
+    rescale_rows(o, l, alpha);
 }
 
 // p = exp2(s - base) in place; l += the thread's part of each row's sum.
@@ -198,8 +204,8 @@ __device__ __forceinline__ void logits_first(float (&s)[32], const Tiles& tl, Pa
 
 // Warpgroup 0 over `pairs` pairs of blocks; o, l, m as the end leaves them.
 __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], float (&m)[2], const Tiles& tl,
-                                              PairShared& sh, const u16* kv, const int* indices, int t, int k,
-                                              int pairs, float sl2, const Lane& ln) {
+                                               PairShared& sh, const u16* kv, const int* indices, int t, int k,
+                                               int pairs, float sl2, const Lane& ln) {
     const GatherLane gl = gather_lane();
     float s[32];
     u32 a[16];
@@ -248,14 +254,12 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
             const float pair_max = sh.m[ln.row0 + 8 * r];
             c[r] = pair_max == neg_inf() ? 1.f : exp2f(m[r] - pair_max);
             m[r] = pair_max;
-            l[r] *= c[r];
         }
         pack_fragment(a, s, c);
         store_p_tile(tl.p[0], a, ln);
         fence_proxy_async();
         bar_arrive(BAR_P0, THREADS);
-        #pragma unroll
-        for (int j = 0; j < 128; ++j) o[j] *= c[(j >> 1) & 1];
+        rescale_rows(o, l, c);
         bar_sync(BAR_P1, THREADS);
         mma_begin(o);
         issue_pv_other(o, tl.p[1], tl.buf[1], 0);
@@ -282,8 +286,8 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
 
 // Warpgroup 1 over `pairs` pairs of blocks; o, l, m as the end leaves them.
 __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], float (&m)[2], const Tiles& tl,
-                                              PairShared& sh, const u16* kv, const int* indices, int t, int k,
-                                              int pairs, float sl2, const Lane& ln) {
+                                               PairShared& sh, const u16* kv, const int* indices, int t, int k,
+                                               int pairs, float sl2, const Lane& ln) {
     const GatherLane gl = gather_lane();
     float s[32];
     u32 a[16];
