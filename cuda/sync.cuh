@@ -1,6 +1,6 @@
 // Synchronisation between the warps of a CTA (sm_90): mbarriers in shared
-// memory (a producer's cp.async copies arrive on them) and named barriers
-// (bar.sync / bar.arrive over a subset of the CTA's warps).
+// memory that cp.async copies arrive on, and named barriers (bar.sync /
+// bar.arrive over a subset of the CTA's warps).
 #pragma once
 
 #include "select.cuh"
@@ -12,11 +12,6 @@ __device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32
 // One thread initialises an mbarrier that completes a phase after `count` arrivals.
 __device__ __forceinline__ void mbarrier_init(u64* bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
-// An arrival of this thread (release: its earlier memory accesses are seen by the waiters).
-__device__ __forceinline__ void mbarrier_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
 // An arrival once every earlier cp.async of this thread has landed (counts
