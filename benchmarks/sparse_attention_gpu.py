@@ -19,7 +19,8 @@ plain write of the rows' bytes (the rows kernel's memory floor), from its
 first query chunk timed, times the chunk count; "hs bwd one stream" is the
 backward without its second stream. torch runs
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
-bwd" is its forward + autograd backward minus its forward. Indices: for
+bwd" is its forward + autograd backward minus its forward. --impls times
+only the named hs rows (for A/B runs of one kernel). Indices: for
 query t, k keys drawn uniformly (with replacement) from [0, max(t + 1, k)):
 causal after the first k rows, no -1 slots.
 """
@@ -33,6 +34,7 @@ import numpy as np
 from .common import copy_bandwidth_gbs, gpu_device, matmul_rate_tflops, table, time_gpu, write_results
 
 D_QK, D_V = 576, 512
+IMPLS = ("hs fwd", "hs fwd+probs", "hs bwd", "hs bwd precise", "hs bwd one stream")
 
 
 def inputs(torch, n, h, k, seed=0):
@@ -131,6 +133,8 @@ def run_config(args, cp, torch, hs, n, h, rates):
     }
     if args.breakdown:
         impls["hs bwd one stream"] = lambda i: one_stream_backward(hs, q, kv, idx, out, lse, dout)
+    if args.impls:
+        impls = {name: fn for name, fn in impls.items() if name in args.impls}
     check = {}
     if n <= args.max_peer_n:
         c = args.chunk
@@ -159,7 +163,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
                      "x_torch": round(peer / ms, 2) if peer and name.startswith("hs") else None, **check})
     for name, (ms, chunk) in phases.items():
         rows.append({"bench": "sparse_attention_gpu", "config": config, "impl": f"hs bwd phase: {name}",
-                     "median_ms": round(ms, 3), "share_of_bwd": round(ms / times["hs bwd"], 3),
+                     "median_ms": round(ms, 3), "share_of_bwd": round(ms / times["hs bwd"], 3) if "hs bwd" in times else None,
                      "estimate": f"first chunk of {chunk} queries x {n / chunk:.2f}"})
     del q, kv, dout, idx, out, lse, tq, tkv, tdout, tidx
     cp.get_default_memory_pool().free_all_blocks()
@@ -181,6 +185,8 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk", type=int, default=128, help="query chunk of the torch peer")
     parser.add_argument("--max-peer-n", type=int, default=131072, help="the torch peer runs up to this N")
     parser.add_argument("--breakdown", action="store_true", help="also time the backward's phases")
+    parser.add_argument("--impls", nargs="+", default=None, choices=IMPLS,
+                        help="time only these of hs's rows (default: all; the torch rows follow --max-peer-n)")
     parser.add_argument("--out", default=None, help="folder of the results JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
     rates = {"flops": matmul_rate_tflops(torch) * 1e12, "bytes": copy_bandwidth_gbs() * 1e9}

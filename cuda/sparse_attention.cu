@@ -174,9 +174,9 @@ __device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, i
 
 // This warpgroup gathers regions R0 .. R1-1 of a block's kv rows (zeros
 // where a key is < 0) into buffer `buf`; ready[buf][half] completes once they land.
-// Plain copies: the same copies under an L2 evict-last policy (cp_async16's
-// policy overload, as the backward gathers) stopped this kernel with an
-// illegal instruction on the H200 (NVRTC 13.0), at the copies.
+// No cache policy: the same copies under an L2 evict-last policy
+// (cp_async16's policy overload, as the backward gathers) stopped this kernel
+// with an illegal instruction on the H200 (NVRTC 13.0), at the copies.
 template <int R0, int R1>
 __device__ __forceinline__ void gather_half(PairShared& sh, const Tiles& tl, int buf, int half, const u16* kv,
                                             const int (&keys)[4], const GatherLane& gl) {
@@ -186,10 +186,26 @@ __device__ __forceinline__ void gather_half(PairShared& sh, const Tiles& tl, int
         const u16* src = kv + (size_t)(keys[r] >= 0 ? keys[r] : 0) * D + gl.chunk * 8;
         #pragma unroll
         for (int region = R0; region < R1; ++region)
-            cp_async16(tl.buf[buf] + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4), src + region * 64,
-                       keys[r] >= 0);
+            cp_async16_fetch256(tl.buf[buf] + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4),
+                                src + region * 64, keys[r] >= 0);
     }
     cp_async_arrive(&sh.ready[buf][half]);
+}
+
+// The key of this thread's row of block b for prefetch_half (row threadIdx.x % 64).
+__device__ __forceinline__ int prefetch_key(const int* indices, int t, int k, int b) {
+    return slot_key_at(indices, t, k, b * BK + (threadIdx.x & 63));
+}
+
+// Pull one half of kv row `key` into L2 ahead of its gather (a warpgroup's
+// threads 0..63 the left halves, 64..127 the right halves of a block's rows);
+// nothing when key < 0. The gathers of a pair are issued one pair ahead of
+// their use; this reaches a pair further, so rows that miss L2 (kv larger
+// than L2) arrive from memory in time.
+__device__ __forceinline__ void prefetch_half(const u16* kv, int key) {
+    if (key < 0) return;
+    const int half = (threadIdx.x >> 6) & 1;
+    prefetch_l2(kv + (size_t)key * D + half * 256, half ? (D - 256) * 2 : 256 * 2);
 }
 
 // Warpgroup 0's logits of block 2i (left half first: it is gathered first).
@@ -226,6 +242,7 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
             block_keys(keys[0], indices, t, k, 2 * i + 2, gl);
             block_keys(keys[1], indices, t, k, 2 * i + 3, gl);
         }
+        const int ahead = prefetch_key(indices, t, k, 2 * i + 4);
         float mx[2], base[2];
         scale_logits(s, valid, sl2, mx);
         const float mn[2] = {fmaxf(m[0], mx[0]), fmaxf(m[1], mx[1])};
@@ -246,6 +263,7 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
         wgmma_fence_operands(o);
         hold_fragment(a);
         if (next) gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl);  // block 2i is done with it
+        prefetch_half(kv, ahead);
         // The pair's maxima from warpgroup 1: p of block 2i and o rescaled to them.
         bar_sync(BAR_MAX1, THREADS);
         float c[2];
@@ -304,6 +322,7 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
             block_keys(keys[0], indices, t, k, 2 * i + 2, gl);
             block_keys(keys[1], indices, t, k, 2 * i + 3, gl);
         }
+        const int ahead = prefetch_key(indices, t, k, 2 * i + 5);
         const u32 valid = valid_slots(indices, t, k, 2 * i + 1, ln);
         // Right half first: warpgroup 0 gathers the left half of buffer 1 last.
         wait_half(sh, 1, RIGHT, i & 1);
@@ -341,6 +360,7 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
         wgmma_wait<1>();
         hold_fragment(a);
         if (next) gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl);  // block 2i + 1 is done with it
+        prefetch_half(kv, ahead);
         wgmma_wait<0>();
         wgmma_fence_operands(o);
         if (next) gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl);  // block 2i is done with it
