@@ -186,8 +186,8 @@ __device__ __forceinline__ void gather_half(PairShared& sh, const Tiles& tl, int
         const u16* src = kv + (size_t)(keys[r] >= 0 ? keys[r] : 0) * D + gl.chunk * 8;
         #pragma unroll
         for (int region = R0; region < R1; ++region)
-            cp_async16_fetch256(tl.buf[buf] + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4),
-                                src + region * 64, keys[r] >= 0);
+            cp_async16(tl.buf[buf] + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4), src + region * 64,
+                       keys[r] >= 0);
     }
     cp_async_arrive(&sh.ready[buf][half]);
 }
@@ -198,14 +198,17 @@ __device__ __forceinline__ int prefetch_key(const int* indices, int t, int k, in
 }
 
 // Pull one half of kv row `key` into L2 ahead of its gather (a warpgroup's
-// threads 0..63 the left halves, 64..127 the right halves of a block's rows);
+// warps 0 and 1 the left halves, 2 and 3 the right halves of a block's rows);
 // nothing when key < 0. The gathers of a pair are issued one pair ahead of
 // their use; this reaches a pair further, so rows that miss L2 (kv larger
-// than L2) arrive from memory in time.
+// than L2) arrive from memory in time. Rows are 9 lines of 128 bytes.
 __device__ __forceinline__ void prefetch_half(const u16* kv, int key) {
     if (key < 0) return;
-    const int half = (threadIdx.x >> 6) & 1;
-    prefetch_l2(kv + (size_t)key * D + half * 256, half ? (D - 256) * 2 : 256 * 2);
+    const char* row = reinterpret_cast<const char*>(kv + (size_t)key * D);
+    const bool right = threadIdx.x & 64;
+    #pragma unroll
+    for (int line = 0; line < 5; ++line)
+        if (line < 4 || right) prefetch_l2_line(row + (right ? 512 : 0) + line * 128);
 }
 
 // Warpgroup 0's logits of block 2i (left half first: it is gathered first).

@@ -20,17 +20,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
     const u32 addr = static_cast<u32>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0));
 }
-// cp_async16 with zero fill and a 256-byte L2 fetch on a miss (for whole
-// rows of 256 bytes or more); no cache policy.
-__device__ __forceinline__ void cp_async16_fetch256(void* smem, const void* gmem, bool valid) {
-    const u32 addr = static_cast<u32>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem),
-                 "r"(valid ? 16 : 0));
-}
-// Ask L2 to fetch `bytes` (a multiple of 16) from a 16-byte aligned global
-// address, without waiting (sm_90 bulk prefetch; a hint, nothing lands in shared memory).
-__device__ __forceinline__ void prefetch_l2(const void* gmem, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
+// Ask L2 to fetch the 128-byte line holding `gmem`, without waiting (a hint).
+__device__ __forceinline__ void prefetch_l2_line(const void* gmem) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
 }
 // An L2 cache policy under which lines outlast those of evict_normal accesses
 // (for data read many times, as gathered kv rows).
