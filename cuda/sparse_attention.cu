@@ -174,9 +174,9 @@ __device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, i
 
 // This warpgroup gathers regions R0 .. R1-1 of a block's kv rows (zeros
 // where a key is < 0) into buffer `buf`; ready[buf][half] completes once they land.
-// No cache policy: the same copies under an L2 evict-last policy
-// (cp_async16's policy overload, as the backward gathers) stopped this kernel
-// with an illegal instruction on the H200 (NVRTC 13.0), at the copies.
+// Plain copies: the same copies under an L2 evict-last policy (cp_async16's
+// policy overload, as the backward gathers) stopped this kernel with an
+// illegal instruction on the H200 (NVRTC 13.0), at the copies.
 template <int R0, int R1>
 __device__ __forceinline__ void gather_half(PairShared& sh, const Tiles& tl, int buf, int half, const u16* kv,
                                             const int (&keys)[4], const GatherLane& gl) {
@@ -190,25 +190,6 @@ __device__ __forceinline__ void gather_half(PairShared& sh, const Tiles& tl, int
                        keys[r] >= 0);
     }
     cp_async_arrive(&sh.ready[buf][half]);
-}
-
-// The key of this thread's row of block b for prefetch_half (row threadIdx.x % 64).
-__device__ __forceinline__ int prefetch_key(const int* indices, int t, int k, int b) {
-    return slot_key_at(indices, t, k, b * BK + (threadIdx.x & 63));
-}
-
-// Pull one half of kv row `key` into L2 ahead of its gather (a warpgroup's
-// warps 0 and 1 the left halves, 2 and 3 the right halves of a block's rows);
-// nothing when key < 0. The gathers of a pair are issued one pair ahead of
-// their use; this reaches a pair further, so rows that miss L2 (kv larger
-// than L2) arrive from memory in time. Rows are 9 lines of 128 bytes.
-__device__ __forceinline__ void prefetch_half(const u16* kv, int key) {
-    if (key < 0) return;
-    const char* row = reinterpret_cast<const char*>(kv + (size_t)key * D);
-    const bool right = threadIdx.x & 64;
-    #pragma unroll
-    for (int line = 0; line < 5; ++line)
-        if (line < 4 || right) prefetch_l2_line(row + (right ? 512 : 0) + line * 128);
 }
 
 // Warpgroup 0's logits of block 2i (left half first: it is gathered first).
@@ -245,7 +226,6 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
             block_keys(keys[0], indices, t, k, 2 * i + 2, gl);
             block_keys(keys[1], indices, t, k, 2 * i + 3, gl);
         }
-        const int ahead = prefetch_key(indices, t, k, 2 * i + 4);
         float mx[2], base[2];
         scale_logits(s, valid, sl2, mx);
         const float mn[2] = {fmaxf(m[0], mx[0]), fmaxf(m[1], mx[1])};
@@ -266,7 +246,6 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
         wgmma_fence_operands(o);
         hold_fragment(a);
         if (next) gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl);  // block 2i is done with it
-        prefetch_half(kv, ahead);
         // The pair's maxima from warpgroup 1: p of block 2i and o rescaled to them.
         bar_sync(BAR_MAX1, THREADS);
         float c[2];
@@ -325,7 +304,6 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
             block_keys(keys[0], indices, t, k, 2 * i + 2, gl);
             block_keys(keys[1], indices, t, k, 2 * i + 3, gl);
         }
-        const int ahead = prefetch_key(indices, t, k, 2 * i + 5);
         const u32 valid = valid_slots(indices, t, k, 2 * i + 1, ln);
         // Right half first: warpgroup 0 gathers the left half of buffer 1 last.
         wait_half(sh, 1, RIGHT, i & 1);
@@ -363,7 +341,6 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
         wgmma_wait<1>();
         hold_fragment(a);
         if (next) gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl);  // block 2i + 1 is done with it
-        prefetch_half(kv, ahead);
         wgmma_wait<0>();
         wgmma_fence_operands(o);
         if (next) gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl);  // block 2i is done with it

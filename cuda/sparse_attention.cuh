@@ -129,7 +129,7 @@ __device__ __forceinline__ void prefetch_key_row(const u16* kv, int s) {
     if (s < 0) return;
     const char* row = reinterpret_cast<const char*>(kv + (size_t)s * D);
     for (int line = threadIdx.x & 3; line * 128 < D * 2; line += 4)
-        prefetch_l2_line(row + line * 128);
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + line * 128));
 }
 
 template <int N>

@@ -20,10 +20,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
     const u32 addr = static_cast<u32>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0));
 }
-// Ask L2 to fetch the 128-byte line holding `gmem`, without waiting (a hint).
-__device__ __forceinline__ void prefetch_l2_line(const void* gmem) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
-}
 // An L2 cache policy under which lines outlast those of evict_normal accesses
 // (for data read many times, as gathered kv rows).
 __device__ __forceinline__ u64 l2_evict_last() {
