@@ -30,16 +30,19 @@ def main(argv=None) -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--ks", type=int, nargs="*", default=[256, 2048])
     parser.add_argument("--scores-only", action="store_true")
+    parser.add_argument("--topk-only", action="store_true", help="skip the score kernel's run")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each top-k (median)")
     parser.add_argument("--chunk", type=int, default=16384, help="query chunk of the score-only run")
     args = parser.parse_args(argv)
 
     q, k, w = inputs(cp, args.n, args.heads, args.dim)
-    scores_only(hs, q[:2048], k[:2048], w[:2048], 1024)  # compile
-    row = {"label": args.label, "n": args.n, "heads": args.heads,
-           "scores_ms": round(wall_ms(cp, lambda: scores_only(hs, q, k, w, args.chunk), 3), 2)}
+    row = {"label": args.label, "n": args.n, "heads": args.heads}
+    if not args.topk_only:
+        scores_only(hs, q[:2048], k[:2048], w[:2048], 1024)  # compile
+        row["scores_ms"] = round(wall_ms(cp, lambda: scores_only(hs, q, k, w, args.chunk), 3), 2)
     for topk in [] if args.scores_only else args.ks:
         hs.indexer_topk(q[:1024], k[:1024], w[:1024], topk, q_pos=np.arange(1024))  # compile
-        row[f"topk{topk}_ms"] = round(wall_ms(cp, lambda: hs.indexer_topk(q, k, w, topk), 2), 2)
+        row[f"topk{topk}_ms"] = round(wall_ms(cp, lambda: hs.indexer_topk(q, k, w, topk), args.repeats), 2)
     print(json.dumps(row), flush=True)
 
 
