@@ -378,41 +378,17 @@ __device__ __noinline__ void prune(GroupShared& sh, const Buffers& buf, int qi, 
         prune_stored(sh, c, dst_bits, dst_idx, qi, k);
 }
 
-constexpr int SORT_E = 16;  // candidates per thread of the register sort: k up to SORT_E * THREADS
-
-// A candidate as one number that orders as the output does: score key
-// descending, then index ascending (real candidates are > 0, padding is 0).
-__device__ __forceinline__ u64 sort_value(u32 bits, u32 idx) { return (u64)score_key(bits) << 32 | (u32)~idx; }
-
-// Sort query qi's kept candidates (at most k) and write its output row
-// (indices, -1 past the candidates; scores, -inf there). Up to SORT_E *
-// THREADS candidates are sorted in registers, more in shared memory.
+// Sort query qi's kept candidates (at most k) and write its output row.
 __device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32 k, unsigned char* sort_area,
                                 int* out_idx, float* out_scores) {
     if (sh.count[qi] > k) prune(sh, buf, qi, k);
     const u32 n = sh.count[qi];
     const u32* bits = buf.bits + buf.at(sh.flip[qi], qi);
     const u32* idx = buf.idx + buf.at(sh.flip[qi], qi);
-    int n_pad = 1;
-    while (n_pad < (int)n) n_pad <<= 1;
-    if (n_pad <= SORT_E * THREADS) {
-        const u32 first = threadIdx.x * SORT_E;
-        u64 c[SORT_E];
-        #pragma unroll
-        for (int e = 0; e < SORT_E; ++e) c[e] = first + e < n ? sort_value(bits[first + e], idx[first + e]) : 0ull;
-        block_bitonic_sort_desc(c, reinterpret_cast<u64*>(sort_area), n_pad);
-        #pragma unroll
-        for (int e = 0; e < SORT_E; ++e) {
-            const u32 j = first + e;
-            if (j >= k) break;
-            out_idx[j] = j < n ? (int)~(u32)c[e] : -1;
-            if (out_scores) out_scores[j] = __uint_as_float(j < n ? key_to_bits((u32)(c[e] >> 32)) : NEG_INF_BITS);
-        }
-        __syncthreads();  // the sort area (a key stage) is free again
-        return;
-    }
     u32* keys = reinterpret_cast<u32*>(sort_area);
     u32* order = keys + SORT_CAP;
+    int n_pad = 1;
+    while (n_pad < (int)n) n_pad <<= 1;
     for (int j = threadIdx.x; j < n_pad; j += THREADS) {
         keys[j] = j < (int)n ? score_key(bits[j]) : 0u;
         order[j] = j < (int)n ? idx[j] : 0xFFFFFFFFu;

@@ -252,68 +252,6 @@ __device__ void block_bitonic_sort(K* keys, u32* idx, int n) {
     }
 }
 
-// One step of a bitonic network on element i (value mine, partner i ^
-// stride holding other): the pair is ordered descending where (i & size) ==
-// 0, else ascending; the lower index of the pair keeps the larger value in
-// a descending pair.
-__device__ __forceinline__ u64 bitonic_keep(u64 mine, u64 other, int i, int stride, int size) {
-    const bool take_max = ((i & stride) == 0) == ((i & size) == 0);
-    return take_max ? (mine > other ? mine : other) : (mine < other ? mine : other);
-}
-
-// The bitonic steps of stride S < E between the E elements a thread holds.
-template <int S, int E>
-__device__ __forceinline__ void bitonic_in_thread(u64 (&c)[E], int first, int size) {
-    #pragma unroll
-    for (int e = 0; e < E; ++e) {
-        if (e & S) continue;
-        const u64 a = c[e], b = c[e + S];
-        c[e] = bitonic_keep(a, b, first + e, S, size);
-        c[e + S] = bitonic_keep(b, a, first + e + S, S, size);
-    }
-}
-
-// Descending sort of the first n_pad (a power of two, at most E *
-// blockDim.x) of E * blockDim.x u64 values, E per thread in registers:
-// element t * E + e is c[e] of thread t. A bitonic network without shared
-// memory below stride 32 E: steps inside a thread below stride E, between
-// lanes by shuffles below 32 E, and through `scratch` (E * blockDim.x u64)
-// with a barrier around each step above. Elements past n_pad end in an
-// unspecified order. All threads call this.
-template <int E>
-__device__ void block_bitonic_sort_desc(u64 (&c)[E], u64* scratch, int n_pad) {
-    static_assert(E >= 2 && E <= 16 && (E & (E - 1)) == 0, "E: a power of two in [2, 16]");
-    const int first = threadIdx.x * E;
-    for (int size = 2; size <= n_pad; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            if (stride >= 32 * E) {
-                #pragma unroll
-                for (int e = 0; e < E; ++e) scratch[first + e] = c[e];
-                __syncthreads();
-                #pragma unroll
-                for (int e = 0; e < E; ++e) c[e] = bitonic_keep(c[e], scratch[(first + e) ^ stride], first + e, stride, size);
-                __syncthreads();
-            } else if (stride >= E) {
-                const int lanes = stride / E;
-                #pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const u32 lo = __shfl_xor_sync(FULL_MASK, (u32)c[e], lanes);
-                    const u32 hi = __shfl_xor_sync(FULL_MASK, (u32)(c[e] >> 32), lanes);
-                    c[e] = bitonic_keep(c[e], (u64)hi << 32 | lo, first + e, stride, size);
-                }
-            } else if (stride == 1) {
-                bitonic_in_thread<1>(c, first, size);
-            } else if (stride == 2) {
-                bitonic_in_thread<2>(c, first, size);
-            } else if (stride == 4) {
-                if constexpr (E > 4) bitonic_in_thread<4>(c, first, size);
-            } else {
-                if constexpr (E > 8) bitonic_in_thread<8>(c, first, size);
-            }
-        }
-    }
-}
-
 // Stable sort, descending, of n (key, idx) pairs in shared memory (n a
 // power of two, 32 * E <= n <= E * blockDim.x), as one number made of the
 // low 8 * key_passes bits of key - key_base over the low 8 * idx_passes bits

@@ -60,12 +60,27 @@ MASKS = {
 @pytest.mark.parametrize("topk", [1, 7, 64, 2048])
 def test_streaming_equals_materialised(heads, dim, mask, topk):
     (q, k, w), _ = device_inputs(1000, 1000, heads, dim, repeat_keys=True, seed=topk)
-    selection, picked = hs.indexer_topk(q, k, w, topk, return_scores=True, **MASKS[mask])
-    table = hs.indexer_scores(q, k, w, **MASKS[mask])
+    assert_streaming_equals_materialised(q, k, w, topk, MASKS[mask])
+
+
+def assert_streaming_equals_materialised(q, k, w, topk, mask):
+    """indexer_topk's indices equal topk of the table's, and its scores are the table's at them, bit for bit."""
+    selection, picked = hs.indexer_topk(q, k, w, topk, return_scores=True, **mask)
+    table = hs.indexer_scores(q, k, w, **mask)
     np.testing.assert_array_equal(to_host(selection), materialised(table, topk))
     sel, host_table = to_host(selection), to_host(table)
     expect = np.where(sel >= 0, np.take_along_axis(host_table, np.maximum(sel, 0), axis=1), -np.inf)
     assert same_bits(picked, expect.astype(np.float32))
+
+
+@pytest.mark.parametrize("heads, dim", [(64, 128), (32, 256)])
+@pytest.mark.parametrize("topk", [2049, 2528, 2529, 4096])
+def test_streaming_equals_materialised_above_2048(heads, dim, topk):
+    """k past 2048 (up to the in-kernel sort's 4096 at D = 128): rows shorter and longer than k, prunes of
+    buffers held in registers (2k + 64 <= 5120) and read from memory, final sorts of more than 2048 picks."""
+    (q, k, w), _ = device_inputs(6000, 6000, heads, dim, repeat_keys=True, seed=topk)
+    for mask in ({}, dict(cu_seqlens=np.array([0, 1, 8, 308, 3000, 6000]))):
+        assert_streaming_equals_materialised(q, k, w, topk, mask)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["float16", "float32"])
