@@ -165,13 +165,11 @@ __device__ __forceinline__ GatherLane gather_lane() {
     return GatherLane{(int)(threadIdx.x & 127) >> 3, (int)threadIdx.x & 7};
 }
 
-// The keys of this thread's rows of blocks b0 and b0 + 1 of query t (-1: skipped or past k).
-__device__ __forceinline__ void pair_keys(int (&keys)[2][4], const int* indices, int t, int k, int b0,
-                                          const GatherLane& gl) {
+// The keys of this thread's rows of block b of query t (-1: skipped or past k).
+__device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, int t, int k, int b,
+                                           const GatherLane& gl) {
     #pragma unroll
-    for (int b = 0; b < 2; ++b)
-        #pragma unroll
-        for (int r = 0; r < 4; ++r) keys[b][r] = slot_key_at(indices, t, k, (b0 + b) * BK + gl.group + 16 * r);
+    for (int r = 0; r < 4; ++r) keys[r] = slot_key_at(indices, t, k, b * BK + gl.group + 16 * r);
 }
 
 // This warpgroup gathers regions R0 .. R1-1 of a block's kv rows (zeros
@@ -214,7 +212,8 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
     int keys[2][4];  // the rows this thread gathers of the next pair's blocks
     u32 valid = valid_slots(indices, t, k, 0, ln);
     if (pairs > 0) {
-        pair_keys(keys, indices, t, k, 0, gl);
+        block_keys(keys[0], indices, t, k, 0, gl);
+        block_keys(keys[1], indices, t, k, 1, gl);
         gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl);
         gather_half<0, 4>(sh, tl, 1, LEFT, kv, keys[1], gl);
         logits_first(s, tl, sh, 0);
@@ -224,7 +223,8 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
     for (int i = 0; i < pairs; ++i) {
         const bool next = i + 1 < pairs;
         if (next) {
-            pair_keys(keys, indices, t, k, 2 * i + 2, gl);
+            block_keys(keys[0], indices, t, k, 2 * i + 2, gl);
+            block_keys(keys[1], indices, t, k, 2 * i + 3, gl);
         }
         float mx[2], base[2];
         scale_logits(s, valid, sl2, mx);
@@ -293,14 +293,16 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
     u32 a[16];
     int keys[2][4];  // the rows this thread gathers of the next pair's blocks
     if (pairs > 0) {
-        pair_keys(keys, indices, t, k, 0, gl);
+        block_keys(keys[0], indices, t, k, 0, gl);
+        block_keys(keys[1], indices, t, k, 1, gl);
         gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl);
         gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl);
     }
     for (int i = 0; i < pairs; ++i) {
         const bool next = i + 1 < pairs;
         if (next) {
-            pair_keys(keys, indices, t, k, 2 * i + 2, gl);
+            block_keys(keys[0], indices, t, k, 2 * i + 2, gl);
+            block_keys(keys[1], indices, t, k, 2 * i + 3, gl);
         }
         const u32 valid = valid_slots(indices, t, k, 2 * i + 1, ln);
         // Right half first: warpgroup 0 gathers the left half of buffer 1 last.
