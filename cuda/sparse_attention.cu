@@ -174,9 +174,11 @@ __device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, i
 
 // This warpgroup gathers regions R0 .. R1-1 of a block's kv rows (zeros
 // where a key is < 0) into buffer `buf`; ready[buf][half] completes once they land.
-// Plain copies: the same copies under an L2 evict-last policy (cp_async16's
-// policy overload, as the backward gathers) stopped this kernel with an
-// illegal instruction on the H200 (NVRTC 13.0), at the copies.
+// Plain copies. Under an L2 evict-last policy (cp_async16's policy overload,
+// as the backward gathers) this kernel stopped with an illegal instruction:
+// ptxas (13.0) gave the copies a descriptor register it had overwritten,
+// beside the buffer address's uniform part. With that address made per
+// thread the policy copies ran, 2-5 % slower (benchmarks/NOTES.md).
 template <int R0, int R1>
 __device__ __forceinline__ void gather_half(PairShared& sh, const Tiles& tl, int buf, int half, const u16* kv,
                                             const int (&keys)[4], const GatherLane& gl) {
