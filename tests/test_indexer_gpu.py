@@ -73,14 +73,31 @@ def assert_streaming_equals_materialised(q, k, w, topk, mask):
     assert same_bits(picked, expect.astype(np.float32))
 
 
-@pytest.mark.parametrize("heads, dim", [(64, 128), (32, 256)])
+@pytest.mark.parametrize("heads, dim", [(64, 128), (32, 256), (8, 64)])
 @pytest.mark.parametrize("topk", [2049, 2528, 2529, 4096])
 def test_streaming_equals_materialised_above_2048(heads, dim, topk):
-    """k past 2048 (up to the in-kernel sort's 4096 at D = 128): rows shorter and longer than k, prunes of
-    buffers held in registers (2k + 64 <= 5120) and read from memory, final sorts of more than 2048 picks."""
+    """k past 2048 (the in-kernel sort holds 32 D picks: 4096 at D = 128, 2048 at D = 64, where these
+    select from blocks of the score table): rows shorter and longer than k, prunes of buffers held in
+    registers (2k + 64 <= 5120) and read from memory, final sorts of more than 2048 picks."""
     (q, k, w), _ = device_inputs(6000, 6000, heads, dim, repeat_keys=True, seed=topk)
     for mask in ({}, dict(cu_seqlens=np.array([0, 1, 8, 308, 3000, 6000]))):
         assert_streaming_equals_materialised(q, k, w, topk, mask)
+
+
+def test_topk_past_the_kernel_sort_selects_from_the_kernel_scores(monkeypatch):
+    """k = 5000 at D = 128 (past the sort's 4096): the table blocks come from the fused score kernel,
+    never from gpu_fallback's cuBLAS products, whose rounding differs; small blocks split the queries."""
+    from hyscale_core.ops.indexer import gpu, gpu_fallback
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gpu_fallback's scores served a shape the fused kernel is built for")
+
+    monkeypatch.setattr(gpu_fallback, "indexer_topk", refuse)
+    monkeypatch.setattr(gpu_fallback, "indexer_scores", refuse)
+    monkeypatch.setattr(gpu, "TABLE_BLOCK_BYTES", 4 * 6000 * 700)  # blocks of 700 queries
+    (q, k, w), _ = device_inputs(6000, 6000, 64, 128, repeat_keys=True, seed=9)
+    for mask in ({}, dict(cu_seqlens=np.array([0, 1, 8, 308, 3000, 6000]))):
+        assert_streaming_equals_materialised(q, k, w, 5000, mask)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["float16", "float32"])

@@ -104,7 +104,9 @@ def indexer_topk(q: Any, k: Any, w: Any, topk: int, *, causal: bool = True, q_po
 
     Contract: the indices are bitwise identical to
     ``topk(indexer_scores(...), topk)[1]`` with -1 where the value is -inf.
-    Memory: O(Nq * topk) plus one tile of scores per worker.
+    Memory: O(Nq * topk) plus one tile of scores per worker; on the GPU a
+    topk past the fused kernel's sort (32 * D picks) selects from blocks of
+    the score table instead, up to 1 GiB of it at a time.
     """ + _PRECISION
     backend, q, k, w, lo, hi = _prepare(q, k, w, causal, q_pos, cu_seqlens)
     topk = check_int(topk, "topk", 0, MAX_TOPK)

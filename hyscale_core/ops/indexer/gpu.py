@@ -4,7 +4,10 @@ Both ``indexer_scores`` and ``indexer_topk`` run the same tile code (wgmma
 bf16/fp16 products with float32 accumulation, ReLU, head-weighted sum), so
 the streaming selection is bitwise identical to ``topk`` of the table.
 Shapes the kernel is not built for (H not dividing 256, D not a multiple of
-64, topk beyond the in-kernel sort) go to ``gpu_fallback``.
+64) go to ``gpu_fallback``. A topk beyond the in-kernel sort (32 D picks:
+4096 at D = 128) selects from the same kernel's score table, made in blocks
+of queries (``TABLE_BLOCK_BYTES`` each), so that it too equals topk of
+``indexer_scores`` bitwise.
 
 Precision: bfloat16 and float16 inputs are used as they are; float32 and
 float64 inputs are rounded to bfloat16 first. Products and sums run in
@@ -25,6 +28,8 @@ CTAS_PER_SM = 2
 # multiples of topk (benchmarks/indexer_gpu_breakdown.py --buffer-ks sweeps
 # it): a larger buffer prunes less often, each prune reads more.
 BUFFER_KS = 2
+# Score-table bytes per query block when topk is past the kernel's sort.
+TABLE_BLOCK_BYTES = 1 << 30
 POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
 
 
@@ -71,11 +76,23 @@ def indexer_scores(q, k, w, lo, hi):
     return table
 
 
+def _score_blocks(q, k, w, lo, hi):
+    """``(t0, t1, indexer_scores of queries t0 .. t1 - 1)`` over all queries:
+    a query's scores do not depend on the queries beside it in the kernel."""
+    rows = max(1, min(q.shape[0], TABLE_BLOCK_BYTES // (4 * k.shape[0])))
+    for t0 in range(0, q.shape[0], rows):
+        t1 = min(t0 + rows, q.shape[0])
+        yield t0, t1, indexer_scores(q[t0:t1], k, w[t0:t1], lo[t0:t1], hi[t0:t1])
+
+
 def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool):
     """``(indices int32 [Nq, topk], scores float32 [Nq, topk] or None)`` on the device."""
     cp = cupy_module()
     config = _config(q, topk)
     if config is None:
+        if _config(q, None) is not None:  # built for the shape; topk past the in-kernel sort
+            return gpu_fallback.select_from_panels(_score_blocks(q, k, w, lo, hi), q.shape[0], k.shape[0], topk,
+                                                   want_scores)
         return gpu_fallback.indexer_topk(q, k, w, topk, lo, hi, want_scores)
     defines, smem, per_group, in_dtype = config
     n_q = q.shape[0]

@@ -56,12 +56,18 @@ def indexer_scores(q, k, w, lo, hi):
 
 def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool):
     """``(indices int32 [Nq, topk], scores float32 [Nq, topk] or None)`` on the device."""
+    return select_from_panels(_panels(q, k, w, lo, hi), q.shape[0], k.shape[0], topk, want_scores)
+
+
+def select_from_panels(panels, n_q: int, n_k: int, topk: int, want_scores: bool):
+    """Each row's top ``topk`` of score panels ``(t0, t1, float32 [t1 - t0, n_k])``
+    that cover queries 0 .. n_q - 1: ``(indices int32 [n_q, topk], scores
+    float32 [n_q, topk] or None)``, -1 and -inf past a row's finite scores."""
     cp = cupy_module()
-    n_q, n_k = q.shape[0], k.shape[0]
     indices = cp.full((n_q, topk), -1, dtype=cp.int32)
     scores = cp.full((n_q, topk), -cp.inf, dtype=cp.float32)
     kept = min(topk, n_k)
-    for t0, t1, panel in _panels(q, k, w, lo, hi):
+    for t0, t1, panel in panels:
         values, picked = topk_gpu.topk_rows(panel, kept, True, True)
         masked = values == -cp.inf
         indices[t0:t1, :kept] = cp.where(masked, -1, picked).astype(cp.int32)
