@@ -56,10 +56,10 @@ def _nvrtc_library():
 _NVRTC = _nvrtc_library()
 
 
-def _nvrtc_compile(source: str, defines: tuple[str, ...] = ()) -> None:
+def _nvrtc_compile(source: str, defines: tuple[str, ...] = (), folder=None) -> None:
     import ctypes
 
-    folder = cuda_source_dir()
+    folder = folder or cuda_source_dir()
     program = ctypes.c_void_p()
     assert _NVRTC.nvrtcCreateProgram(ctypes.byref(program), (folder / source).read_bytes(), source.encode(), 0,
                                      None, None) == 0
@@ -91,3 +91,21 @@ def test_indexer_compiles_for_every_head_dim_it_accepts(dim):
     """ops/indexer/gpu.py sends every head dim that is a multiple of 64 up to
     256 to cuda/indexer.cu (the default build above is D = 128)."""
     _nvrtc_compile("indexer.cu", ("HS_IDX_HEADS=64", f"HS_IDX_DIM={dim}"))
+
+
+@pytest.mark.skipif(_NVRTC is None, reason="libnvrtc not found")
+@pytest.mark.parametrize("variant", ["evict_last", "gathers_only", "products_only"])
+def test_forward_variants_apply_and_compile(variant, tmp_path):
+    """benchmarks/sparse_attention_variants.py still finds the code it rewrites in
+    the forward kernel, and the variant compiles."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # the benchmarks package sits beside tests/
+        sys.path.insert(0, root)
+    from benchmarks.sparse_attention_variants import patch
+
+    shutil.copytree(cuda_source_dir(), tmp_path / "cuda")
+    patch(tmp_path, variant)
+    _nvrtc_compile("sparse_attention.cu", folder=tmp_path / "cuda")
