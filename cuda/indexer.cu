@@ -273,12 +273,13 @@ __device__ u32 max_kept_tie(GroupShared& sh, const StoredCandidates& c, u32 thr,
     return ~block_kth_largest_of<u32, 32>(TiedIndices{c, thr}, need, sh.hist, sh.scratch, sh.found, &unused);
 }
 
-// The last step of every prune: query qi holds its top k in the other half
-// of its buffer, above threshold key `thr`.
-__device__ void prune_done(GroupShared& sh, int qi, u32 k, u32 thr) {
+// The last step of every prune: query qi holds `kept` candidates (its top
+// k, or a superset of them) in the other half of its buffer, all with keys
+// above threshold key `thr`.
+__device__ void prune_done(GroupShared& sh, int qi, u32 kept, u32 thr) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        sh.count[qi] = k;
+        sh.count[qi] = kept;
         sh.thr[qi] = thr;
         sh.flip[qi] ^= 1;
     }
@@ -333,8 +334,12 @@ struct HeldCandidates {
     }
 };
 
+// Cut the held candidates to the top k; with most > k, to the candidates from
+// the lowest key of a radix bucket up, where a pass of the select finds a
+// bucket that leaves at most `most` (a superset of the top k, for a settle:
+// the selection's last prune is exact).
 __device__ void prune_held(GroupShared& sh, const StoredCandidates& stored, u32* dst_bits, u32* dst_idx, int qi,
-                           u32 k) {
+                           u32 k, u32 most) {
     const HeldCandidates c(stored.bits, stored.idx, stored.n);
     u32 lo = 0xFFFFFFFFu, hi = 0;
     #pragma unroll
@@ -346,10 +351,13 @@ __device__ void prune_held(GroupShared& sh, const StoredCandidates& stored, u32*
     block_min_max(lo, hi, sh.hist, &lo, &hi);  // hist is free between passes
     const int known = min(lo == hi ? 32 : __clz(lo ^ hi), 32 - DIGIT_BITS);
     u32 above, ties;
+    int open_bits;
     const u32 thr = block_kth_largest_of<u32, 32, false>(CandidateKeys<HeldCandidates>{c}, k, sh.hist, sh.scratch,
                                                          sh.found, &above, &ties, known,
-                                                         known == 0 ? 0u : hi >> (32 - known));
-    const u32 max_tie_idx = max_kept_tie(sh, stored, thr, k - above, ties);
+                                                         known == 0 ? 0u : hi >> (32 - known), most > k ? most : 0,
+                                                         &open_bits);
+    // A bucket cut keeps every key from the bucket's lowest (thr) up.
+    const u32 max_tie_idx = open_bits > 0 ? 0xFFFFFFFFu : max_kept_tie(sh, stored, thr, k - above, ties);
     u32 kept = 0;
     #pragma unroll
     for (int u = 0; u < HELD && !c.round_empty(u); ++u)
@@ -363,17 +371,23 @@ __device__ void prune_held(GroupShared& sh, const StoredCandidates& stored, u32*
             dst_idx[slot] = c.idx[u];
             ++slot;
         }
-    prune_done(sh, qi, k, thr);
+    // A bucket cut leaves fewer than all candidates, so thr > 0 and appends need a key > thr - 1; the
+    // threshold never falls (every candidate is above the old one).
+    if (open_bits > 0)
+        prune_done(sh, qi, total, max(sh.thr[qi], thr - 1));
+    else
+        prune_done(sh, qi, k, thr);
 }
 
-// Cut query qi's candidates back to its top k. Not inlined: ptxas takes
-// far longer on the kernel with a prune inlined at both callers.
-__device__ __noinline__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k) {
+// Cut query qi's candidates back to its top k, or (most > k) to a superset of
+// at most `most` of them where prune_held finds one early. Not inlined: ptxas
+// takes far longer on the kernel with a prune inlined at both callers.
+__device__ __noinline__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k, u32 most) {
     const StoredCandidates c{buf.bits + buf.at(sh.flip[qi], qi), buf.idx + buf.at(sh.flip[qi], qi), sh.count[qi]};
     u32* dst_bits = buf.bits + buf.at(sh.flip[qi] ^ 1, qi);
     u32* dst_idx = buf.idx + buf.at(sh.flip[qi] ^ 1, qi);
     if (c.n <= HELD * THREADS)
-        prune_held(sh, c, dst_bits, dst_idx, qi, k);
+        prune_held(sh, c, dst_bits, dst_idx, qi, k, most);
     else
         prune_stored(sh, c, dst_bits, dst_idx, qi, k);
 }
@@ -381,7 +395,7 @@ __device__ __noinline__ void prune(GroupShared& sh, const Buffers& buf, int qi, 
 // Sort query qi's kept candidates (at most k) and write its output row.
 __device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32 k, unsigned char* sort_area,
                                 int* out_idx, float* out_scores) {
-    if (sh.count[qi] > k) prune(sh, buf, qi, k);
+    if (sh.count[qi] > k) prune(sh, buf, qi, k, k);
     const u32 n = sh.count[qi];
     const u32* bits = buf.bits + buf.at(sh.flip[qi], qi);
     const u32* idx = buf.idx + buf.at(sh.flip[qi], qi);
@@ -559,9 +573,11 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
             }
             return full;
         };
+        // A settle may keep up to half the free room beyond k (a bucket cut).
+        const u32 most = k + ((u32)buf.cap - KT - k) / 2;
         auto settle = [&]() {
             for (int qi = 0; qi < TQ; ++qi)
-                if (sh.count[qi] + KT > (u32)buf.cap) prune(sh, buf, qi, k);
+                if (sh.count[qi] + KT > (u32)buf.cap) prune(sh, buf, qi, k, most);
             __syncthreads();  // every thread has read the counts before the next appends
         };
         stream_group(sh, p, q_tile, k_tiles, w_s, append, settle);

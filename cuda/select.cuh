@@ -156,9 +156,15 @@ __device__ int block_find_bucket(const u32* hist, int n_bins, u32 rank, u32* scr
 // (warp_histogram_add); without it each member adds its own (less code, and
 // as fast where the bins are spread). `hist` holds MAX_BINS words, `scratch`
 // MAX_WARPS + 1, `found` 2.
+// With `enough` > 0 the select may stop early, after a pass whose bucket (the
+// one holding the rank-th largest) and everything above it count at most
+// `enough` keys: it then returns the lowest key of that bucket, sets
+// *open_bits to the bucket's unresolved low bits (0 when the result is
+// exact), *above to the count above the bucket and *equal to the bucket's.
 template <typename K, int WIDTH, bool AGGREGATE = true, typename Visit>
 __device__ K block_kth_largest_of(Visit visit, u32 rank, u32* hist, u32* scratch, u32* found, u32* above,
-                                  u32* equal = nullptr, int known_bits = 0, K known_prefix = 0) {
+                                  u32* equal = nullptr, int known_bits = 0, K known_prefix = 0, u32 enough = 0,
+                                  int* open_bits = nullptr) {
     static_assert(WIDTH <= 8 * (int)sizeof(K), "keys wider than their type");
     K prefix = known_prefix;
     u32 above_total = 0;
@@ -184,7 +190,18 @@ __device__ K block_kth_largest_of(Visit visit, u32 rank, u32* hist, u32* scratch
         above_total += above_here;
         prefix = (prefix << digit) | (K)bucket;
         resolved += digit;
+        if (enough != 0 && resolved < WIDTH) {
+            const u32 in_bucket = hist[bucket];
+            __syncthreads();  // every thread has read it before hist is cleared
+            if (above_total + in_bucket <= enough) {
+                *open_bits = WIDTH - resolved;
+                *above = above_total;
+                if (equal != nullptr) *equal = in_bucket;
+                return prefix << (WIDTH - resolved);
+            }
+        }
     }
+    if (open_bits != nullptr) *open_bits = 0;
     if (equal != nullptr) {
         *equal = hist[bucket];
         __syncthreads();  // the caller may clear hist next
