@@ -162,8 +162,9 @@ def run_config(args, cp, torch, hs, n, h, rates):
                      "x_floor": round(ms / floors[kind], 2),
                      "x_torch": round(peer / ms, 2) if peer and name.startswith("hs") else None, **check})
     for name, (ms, chunk) in phases.items():
+        share = round(ms / times["hs bwd"], 3) if "hs bwd" in times else None
         rows.append({"bench": "sparse_attention_gpu", "config": config, "impl": f"hs bwd phase: {name}",
-                     "median_ms": round(ms, 3), "share_of_bwd": round(ms / times["hs bwd"], 3) if "hs bwd" in times else None,
+                     "median_ms": round(ms, 3), "share_of_bwd": share,
                      "estimate": f"first chunk of {chunk} queries x {n / chunk:.2f}"})
     del q, kv, dout, idx, out, lse, tq, tkv, tdout, tidx
     cp.get_default_memory_pool().free_all_blocks()
