@@ -6,8 +6,9 @@
 // by the warpgroup that reads it last, as soon as it has (cp.async, landing
 // signalled on an mbarrier). Warpgroup w takes block 2i + w of pair i: its logits
 // for all 64 heads (m64n64, K = 576), then the online softmax as a chain
-// (warpgroup 0's row maxima first, warpgroup 1 combines them with its own,
-// warpgroup 0 picks the combined maxima up), then value columns 256w ..
+// (warpgroup 0's row bases first, warpgroup 1 combines them with its own
+// block's maxima, warpgroup 0 picks the pair's bases up; a base rises only by
+// more than RAISE_SLACK, so o is seldom rescaled), then value columns 256w ..
 // 256w + 255 of both blocks: p v of its own block with p from registers and
 // of the other's block with p from the other's shared tile. While one
 // warpgroup runs its softmax, the other's products keep the tensor cores
@@ -24,13 +25,14 @@ namespace {
 // logits and p's fragments (176 registers), and with a third warpgroup, or
 // even one more warp, ptxas caps every thread at 168 registers.
 constexpr int LEFT = 0, RIGHT = 1;       // buffer halves
+constexpr float RAISE_SLACK = 8.f;       // log2 of the largest p before a row's base rises
 constexpr int LEFT_STEPS = 256 / 16;     // k-steps of the logits in the left half
 constexpr int ROPE_REGION = DV / 64;     // the region past the values: warpgroup 0's p tile once its logits are done
 enum : int { BAR_MAX0 = 1, BAR_MAX1, BAR_P0, BAR_P1, BAR_L };  // named barriers of the two warpgroups
 
 struct PairShared {
     u64 ready[2][2];  // [buffer][half]: the half's rows have landed (128 arrivals: its gatherers)
-    float m[BH];      // row maxima: warpgroup 0's, then the pair's
+    float m[BH];      // row bases: warpgroup 0's, then the pair's
     float l[2][BH];   // each warpgroup's row sums, at the end
     int last_slot;    // the last slot of query t holding a key, -1 for none
 };
@@ -78,15 +80,25 @@ __device__ __forceinline__ void scale_logits(float (&s)[32], u32 valid, float sl
     mx[1] = quad_max(mx[1]);
 }
 
-// o and l of each row times c[row].
+// o and l of each row times c[row]; nothing when every c of the warp is 1
+// (the product would be exact).
 __device__ __forceinline__ void rescale_rows(float (&o)[128], float (&l)[2], const float (&c)[2]) {
+    if (!__any_sync(FULL_MASK, c[0] != 1.f || c[1] != 1.f)) return;
     l[0] *= c[0];
     l[1] *= c[1];
     #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] *= c[(i >> 1) & 1];
 }
 
-// The running maximum m of each row rises to mn: o and l rescaled, m = mn;
+// A row's base (the m the exponents are taken against) rises to a block's
+// maximum only where that exceeds it by more than RAISE_SLACK (base 2), so
+// p = exp2(logit - base) stays below 2^RAISE_SLACK and most blocks leave o
+// as it is. A row without a key yet (base -inf) takes the maximum.
+__device__ __forceinline__ float raised_base(float base, float block_max) {
+    return block_max > base + RAISE_SLACK ? block_max : base;
+}
+
+// The base m of each row rises to mn: o and l rescaled, m = mn;
 // base: the subtrahend of the exponent (mn, or 0 for a row without a key yet).
 __device__ __forceinline__ void raise_max(float (&o)[128], float (&l)[2], float (&m)[2], const float (&mn)[2],
                                           float (&base)[2]) {
@@ -230,7 +242,7 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
         }
         float mx[2], base[2];
         scale_logits(s, valid, sl2, mx);
-        const float mn[2] = {fmaxf(m[0], mx[0]), fmaxf(m[1], mx[1])};
+        const float mn[2] = {raised_base(m[0], mx[0]), raised_base(m[1], mx[1])};
         raise_max(o, l, m, mn, base);
         exponentiate(s, base, l);
         const float one[2] = {1.f, 1.f};
@@ -248,7 +260,7 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
         wgmma_fence_operands(o);
         hold_fragment(a);
         if (next) gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl);  // block 2i is done with it
-        // The pair's maxima from warpgroup 1: p of block 2i and o rescaled to them.
+        // The pair's bases from warpgroup 1: p of block 2i and o rescaled to them.
         bar_sync(BAR_MAX1, THREADS);
         float c[2];
         #pragma unroll
@@ -319,8 +331,8 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
         float mx[2], base[2];
         scale_logits(s, valid, sl2, mx);
         bar_sync(BAR_MAX0, THREADS);
-        const float mn[2] = {fmaxf(sh.m[ln.row0], mx[0]), fmaxf(sh.m[ln.row0 + 8], mx[1])};
-        __syncwarp();  // every lane has read its rows' maxima before they are overwritten
+        const float mn[2] = {raised_base(sh.m[ln.row0], mx[0]), raised_base(sh.m[ln.row0 + 8], mx[1])};
+        __syncwarp();  // every lane has read its rows' bases before they are overwritten
         if ((threadIdx.x & 3) == 0) {
             sh.m[ln.row0] = mn[0];
             sh.m[ln.row0 + 8] = mn[1];
