@@ -14,7 +14,9 @@ block of 64 slots):
 
 - forward: the blocks go in pairs through two buffers, and each of the two
   warpgroups takes one block of a pair: logits, online softmax (the row
-  maxima passed from one to the other), and p v for its half of the value
+  bases passed from one to the other; a base rises only where a block's
+  maximum exceeds it by more than 8 in base 2, so p <= 256 and o is seldom
+  rescaled), and p v for its half of the value
   columns over both blocks, so one warpgroup's softmax runs beside the
   other's products; each half of a buffer is gathered again by the
   warpgroup that reads it last, as soon as it has. Logits, softmax,
