@@ -100,8 +100,8 @@ __device__ __forceinline__ float raised_base(float base, float block_max) {
 
 // The base m of each row rises to mn: o and l rescaled, m = mn;
 // base: the subtrahend of the exponent (mn, or 0 for a row without a key yet).
-__device__ __forceinline__ void raise_max(float (&o)[128], float (&l)[2], float (&m)[2], const float (&mn)[2],
-                                          float (&base)[2]) {
+__device__ __forceinline__ void raise_base(float (&o)[128], float (&l)[2], float (&m)[2], const float (&mn)[2],
+                                           float (&base)[2]) {
     float alpha[2];
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -243,7 +243,7 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
         float mx[2], base[2];
         scale_logits(s, valid, sl2, mx);
         const float mn[2] = {raised_base(m[0], mx[0]), raised_base(m[1], mx[1])};
-        raise_max(o, l, m, mn, base);
+        raise_base(o, l, m, mn, base);
         exponentiate(s, base, l);
         const float one[2] = {1.f, 1.f};
         pack_fragment(a, s, one);
@@ -265,9 +265,9 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
         float c[2];
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float pair_max = sh.m[ln.row0 + 8 * r];
-            c[r] = pair_max == neg_inf() ? 1.f : exp2f(m[r] - pair_max);
-            m[r] = pair_max;
+            const float pair_base = sh.m[ln.row0 + 8 * r];
+            c[r] = pair_base == neg_inf() ? 1.f : exp2f(m[r] - pair_base);
+            m[r] = pair_base;
         }
         pack_fragment(a, s, c);
         store_p_tile(tl.p[0], a, ln);
@@ -338,7 +338,7 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
             sh.m[ln.row0 + 8] = mn[1];
         }
         bar_arrive(BAR_MAX1, THREADS);
-        raise_max(o, l, m, mn, base);
+        raise_base(o, l, m, mn, base);
         exponentiate(s, base, l);
         const float one[2] = {1.f, 1.f};
         pack_fragment(a, s, one);
