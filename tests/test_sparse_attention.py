@@ -542,6 +542,25 @@ def test_kernels_forward_rows_ending_in_empty_blocks(kernels, keys):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("late_slot", [100, 1300, 1400, 2047])
+def test_kernels_forward_row_bases_rising_late(kernels, late_slot):
+    """The forward raises a row's base only where a block's maximum passes it by
+    more than RAISE_SLACK (8 in base 2), which random logits do only in a row's
+    first block. Here each query's rows 0, 20, 40 and 63 meet a key whose logit
+    is about 12 (17 in base 2) at `late_slot` (in a block of warpgroup 1, 0, 1,
+    and the last slot), after a key at half that slot that lifts them by less
+    than the slack: o and l are rescaled after many blocks, by either warpgroup."""
+    rng = np.random.default_rng(31)
+    q, kv, indices = make_inputs(rng, 4, 64, 2048, 3000, skip=0.1)
+    indices[indices >= 2970] = 0  # the keys set below appear only where placed
+    for t in range(4):
+        lift = q[t, [0, 20, 40, 63]].sum(axis=0)
+        kv[2990 + t], kv[2980 + t] = 0.5 * lift, 0.25 * lift
+        indices[t, late_slot], indices[t, late_slot // 2] = 2990 + t, 2980 + t
+    check_forward("gpu", q.astype(bfloat16), kv.astype(bfloat16), indices)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("h", [100, 150])
 def test_kernels_partial_head_group_and_custom_scale(kernels, h):
     """h = 100: a full group of 64 heads and one of 36 (probs add the groups;
