@@ -14,13 +14,14 @@ fwd+probs" the public call with return_probs=True (a second pass recomputes
 the logits once lse is known); "hs bwd" the public backward (bfloat16 dkv
 rows), "hs bwd precise" the same with precise_dkv=True (float32 rows). With
 --breakdown, "hs bwd phase: ..." rows estimate each of the default
-backward's three phases, the key sort alone (part of the third) and a
+backward's three phases (or those --phases names), the key sort alone (part of the third) and a
 plain write of the rows' bytes (the rows kernel's memory floor), from its
 first query chunk timed, times the chunk count; "hs bwd one stream" is the
 backward without its second stream. torch runs
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. --impls times
-only the named hs rows (for A/B runs of one kernel). Indices: for
+only the named hs rows (for A/B runs of one kernel; none, with --breakdown,
+times only the phases). Indices: for
 query t, k keys drawn uniformly (with replacement) from [0, max(t + 1, k)):
 causal after the first k rows, no -1 slots.
 """
@@ -90,9 +91,14 @@ def one_stream_backward(hs, q, kv, idx, out, lse, dout):
         gpu.OVERLAP_CHUNKS = overlap
 
 
-def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
-    """ms of the backward's phases on its first query chunk, times the
-    number of chunks: {phase: (ms, chunk queries)}."""
+PHASES = {"dq": "dq kernel", "rows": "dkv rows kernel", "sort": "key sort", "sums": "sort + per-key sums",
+          "fill": "write of the rows' bytes (fill)"}
+
+
+def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats, only=None):
+    """ms of the backward's phases (``only``: keys of PHASES, default all) on
+    its first query chunk, times the number of chunks: {phase: (ms, chunk
+    queries)}."""
     from hyscale_core.gpu.segments import key_segments
     from hyscale_core.ops.sparse_attention import gpu
 
@@ -112,7 +118,8 @@ def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats):
               "key sort": lambda i: key_segments(idx[part], cp.int32, kv.shape[0]),
               "sort + per-key sums": lambda i: gpu.add_rows_by_key(idx[part], rows, passes, dkv, defines),
               "write of the rows' bytes (fill)": lambda i: rows.fill(0)}
-    return {name: (time_gpu(fn, repeats=repeats, warmup=1) * n / c, c) for name, fn in phases.items()}
+    names = [PHASES[key] for key in only] if only else list(phases)
+    return {name: (time_gpu(phases[name], repeats=repeats, warmup=1) * n / c, c) for name in names}
 
 
 def run_config(args, cp, torch, hs, n, h, rates):
@@ -133,7 +140,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
     }
     if args.breakdown:
         impls["hs bwd one stream"] = lambda i: one_stream_backward(hs, q, kv, idx, out, lse, dout)
-    if args.impls:
+    if args.impls is not None:
         impls = {name: fn for name, fn in impls.items() if name in args.impls}
     check = {}
     if n <= args.max_peer_n:
@@ -150,7 +157,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
         print(f"  N={n} h={h}: {name:14s} {times[name]:10.2f} ms", flush=True)
     if "torch fwd+bwd" in times:
         times["torch bwd"] = times.pop("torch fwd+bwd") - times["torch fwd"]
-    phases = backward_phases(cp, q, kv, idx, out, lse, dout, scale, args.repeats) if args.breakdown else {}
+    phases = backward_phases(cp, q, kv, idx, out, lse, dout, scale, args.repeats, args.phases) if args.breakdown else {}
     config = {"n": n, "h": h, "d_qk": D_QK, "d_v": D_V, "k": k, "dtype": "bfloat16"}
     rows = []
     for name, ms in times.items():
@@ -186,8 +193,11 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk", type=int, default=128, help="query chunk of the torch peer")
     parser.add_argument("--max-peer-n", type=int, default=131072, help="the torch peer runs up to this N")
     parser.add_argument("--breakdown", action="store_true", help="also time the backward's phases")
-    parser.add_argument("--impls", nargs="+", default=None, choices=IMPLS,
-                        help="time only these of hs's rows (default: all; the torch rows follow --max-peer-n)")
+    parser.add_argument("--impls", nargs="*", default=None, choices=IMPLS,
+                        help="time only these of hs's rows (default: all; none with the flag alone; the torch "
+                             "rows follow --max-peer-n)")
+    parser.add_argument("--phases", nargs="+", default=None, choices=sorted(PHASES),
+                        help="with --breakdown, only these phases (default: all)")
     parser.add_argument("--out", default=None, help="folder of the results JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
     rates = {"flops": matmul_rate_tflops(torch) * 1e12, "bytes": copy_bandwidth_gbs() * 1e9}

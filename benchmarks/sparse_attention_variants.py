@@ -1,12 +1,13 @@
-"""Variants of the sparse-attention forward kernel for A/B runs, and a
-bitwise check of the forward's outputs between trees.
+"""Variants of the sparse-attention kernels for A/B runs, and a bitwise
+check of the forward's and backward's outputs between trees.
 
     python -m benchmarks.run sparse_attention_variants patch TREE VARIANT
     python -m benchmarks.run sparse_attention_variants outputs PATH.npz
     python -m benchmarks.run sparse_attention_variants compare A.npz B.npz [...]
 
-``patch`` rewrites ``TREE/cuda/sparse_attention.cu`` (and ``tiles.cuh``) of a
-copy of the repository into one of:
+``patch`` rewrites ``TREE/cuda/sparse_attention.cu`` (and ``tiles.cuh``), or
+for the ``dq_`` variants ``TREE/cuda/sparse_attention_bwd.cu``, of a copy of
+the repository into one of:
 
 - ``evict_last``: the gathers under an L2 evict-last cache policy, the
   buffer's shared address passed through a shuffle so that it has no uniform
@@ -16,9 +17,15 @@ copy of the repository into one of:
   time of the gathers and what the schedule adds to them;
 - ``products_only``: no gathers (each thread still arrives on the buffers'
   barriers): the time of the products and softmax on whatever the buffers
-  hold.
+  hold;
+- ``dq_gathers_only``, ``dq_products_only``: the backward's dq kernel
+  without its tensor products (logits, dp, ds kv), or without its gathers
+  (the key tile holds whatever it held);
+- ``dq_no_images``: the dq kernel without the global stores of its ds and
+  p' images (the dkv rows that read them come out wrong).
 
-``outputs`` runs the forward (out, lse, probs) of the tree it is run from on
+``outputs`` runs the forward (out, lse, probs) and the backward (dq, dkv, with
+and without precise_dkv) of the tree it is run from on
 awkward inputs (-1 slots, a row without keys, trailing empty blocks, one key
 repeated; h 16 to 128, k 7 to 2048) and saves them; ``compare`` says whether
 saved outputs are bitwise identical to the first file's. Run each step from
@@ -71,7 +78,14 @@ _PRODUCTS = [  # (product call, what replaces it)
                                     wgmma_desc_mn(tile + half * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);""",
      "        (void)p_tile;"),
 ]
-VARIANTS = ("evict_last", "gathers_only", "products_only")
+_DQ_GATHERS = ["""        stage_key_row<0, 6>(kv_tile, kv, s_cur);
+        stage_key_row<16, D / 32>(kv_tile, kv, s_cur);""", """        stage_key_row<6, 16>(kv_tile, kv, s_cur);"""]
+_DQ_PRODUCTS = ["""        issue_logits_or_dp<0, 12>(sd, q_tile, do_tile, kv_tile, ln);""",
+                """        issue_logits_or_dp<12, D / 16>(sd, q_tile, do_tile, kv_tile, ln);""",
+                """        add_ds_kv(acc, rope, ds_tile, kv_tile, ln);"""]
+_DQ_IMAGES = ["""            *reinterpret_cast<u32*>(image + off) = ds2;
+            *reinterpret_cast<u32*>(image + P_BYTES + off) = pack_half2<F16>(p[0] * inv_scale, p[1] * inv_scale);"""]
+VARIANTS = ("evict_last", "gathers_only", "products_only", "dq_gathers_only", "dq_products_only", "dq_no_images")
 
 
 def _replace(text: str, old: str, new: str, path: Path) -> str:
@@ -81,10 +95,15 @@ def _replace(text: str, old: str, new: str, path: Path) -> str:
 
 
 def patch(tree: Path, variant: str) -> None:
-    """Rewrite the forward kernel of the repository copy at ``tree`` into ``variant``."""
-    kernel = tree / "cuda" / "sparse_attention.cu"
+    """Rewrite the forward kernel (or, for dq_*, the backward's dq kernel) of
+    the repository copy at ``tree`` into ``variant``."""
+    kernel = tree / "cuda" / ("sparse_attention_bwd.cu" if variant.startswith("dq_") else "sparse_attention.cu")
     text = kernel.read_text()
-    if variant == "evict_last":
+    cuts = {"dq_gathers_only": _DQ_PRODUCTS, "dq_products_only": _DQ_GATHERS, "dq_no_images": _DQ_IMAGES}
+    if variant in cuts:
+        for old in cuts[variant]:
+            text = _replace(text, old, "", kernel)
+    elif variant == "evict_last":
         text = _replace(text, _GATHER_LOOP, _EVICT_LAST_LOOP, kernel)
         tiles = tree / "cuda" / "tiles.cuh"
         anchor = "__device__ __forceinline__ void cp_async_commit()"
@@ -101,7 +120,7 @@ def patch(tree: Path, variant: str) -> None:
 
 
 def outputs(path: Path) -> None:
-    """Save the forward's out, lse and probs on awkward inputs to ``path`` (.npz)."""
+    """Save the forward's out, lse and probs and the backward's dq and dkv on awkward inputs to ``path`` (.npz)."""
     import cupy as cp
     import torch
 
@@ -111,17 +130,21 @@ def outputs(path: Path) -> None:
 
     saved = {}
     for n, h, k in [(2500, 64, 2048), (2100, 128, 2048), (700, 64, 300), (300, 16, 7)]:
-        tq, tkv, _, tidx = inputs(torch, n, h, k, seed=n + h + k)
+        tq, tkv, tdout, tidx = inputs(torch, n, h, k, seed=n + h + k)
         drop = torch.rand(tidx.shape, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda") < 0.1
         tidx[drop] = -1
         tidx[5] = -1  # a row without keys
         tidx[6, 100:] = -1  # trailing blocks without keys
         tidx[7, :] = tidx[7, :1]  # one key repeated
-        q, kv, idx = (to_cupy(cp, x, torch) for x in (tq, tkv, tidx))
+        q, kv, dout, idx = (to_cupy(cp, x, torch) for x in (tq, tkv, tdout, tidx))
         out, lse, probs = hs.sparse_attention(q, kv, idx, return_probs=True)
         saved[f"out_{n}_{h}_{k}"] = cp.asnumpy(out.view(cp.uint16))
         saved[f"lse_{n}_{h}_{k}"] = cp.asnumpy(lse)
         saved[f"probs_{n}_{h}_{k}"] = cp.asnumpy(probs)
+        for precise in (False, True):
+            dq, dkv = hs.sparse_attention_backward(q, kv, idx, out, lse, dout, precise_dkv=precise)
+            saved[f"dq_{n}_{h}_{k}_{int(precise)}"] = cp.asnumpy(dq.view(cp.uint16))
+            saved[f"dkv_{n}_{h}_{k}_{int(precise)}"] = cp.asnumpy(dkv.view(cp.uint16))
     np.savez(path, **saved)
     print(f"saved {path} ({hs.__file__})")
 
