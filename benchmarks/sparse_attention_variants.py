@@ -21,8 +21,8 @@ the repository into one of:
 - ``dq_gathers_only``, ``dq_products_only``: the backward's dq kernel
   without its tensor products (logits, dp, ds kv), or without its gathers
   (the key tile holds whatever it held);
-- ``dq_no_images``: the dq kernel without the global stores of its ds and
-  p' images (the dkv rows that read them come out wrong).
+- ``dq_no_images``: the dq kernel without the bulk stores of its ds and p'
+  images (the dkv rows that read them come out wrong).
 
 ``outputs`` runs the forward (out, lse, probs) and the backward (dq, dkv, with
 and without precise_dkv) of the tree it is run from on
@@ -83,8 +83,7 @@ _DQ_GATHERS = ["""        stage_key_row<0, 6>(kv_tile, kv, s_cur);
 _DQ_PRODUCTS = ["""        issue_logits_or_dp<0, 12>(sd, q_tile, do_tile, kv_tile, ln);""",
                 """        issue_logits_or_dp<12, D / 16>(sd, q_tile, do_tile, kv_tile, ln);""",
                 """        add_ds_kv(acc, rope, ds_tile, kv_tile, ln);"""]
-_DQ_IMAGES = ["""            *reinterpret_cast<u32*>(image + off) = ds2;
-            *reinterpret_cast<u32*>(image + P_BYTES + off) = pack_half2<F16>(p[0] * inv_scale, p[1] * inv_scale);"""]
+_DQ_IMAGES = ["""        if (threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);"""]
 VARIANTS = ("evict_last", "gathers_only", "products_only", "dq_gathers_only", "dq_products_only", "dq_no_images")
 
 

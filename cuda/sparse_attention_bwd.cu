@@ -7,7 +7,8 @@
 // ds = p (dp - delta) (delta = rowsum(dout * out), made first; exactly 0 on
 // rows whose valid slots all hold one key) and writes the block's ds and p' =
 // p / scale tiles (16-bit, as their swizzled shared-memory image) to a scratch
-// buffer; both warpgroups then add ds kv into dq (kept in registers).
+// buffer (one bulk copy from shared memory); both warpgroups then add ds kv
+// into dq (kept in registers).
 // sa_backward_dkv_rows{1,2}_{f32,bf16} read those images back and compute
 // each slot's dkv row, scale * (ds^T q + p'^T dout) summed in float32 over up
 // to 128 heads (one or two head groups: one row per slot for h <= 128), into
@@ -83,10 +84,10 @@ __device__ __forceinline__ void row_stats(BwdShared& sh, const u16* out, const u
 
 // ds = p (dp - delta) (0 for a one-key row) and p' = p / scale for this
 // thread's 32 entries of the block (m64n64 layout), into the shared ds tile
-// and the block's global image (ds, then p').
+// and the p' tile after it: the block's image.
 __device__ __forceinline__ void write_ds(const float (&s)[32], const float (&dp)[32], const BwdShared& sh,
-                                         const int* idx, unsigned char* ds_tile, unsigned char* image, float sl2,
-                                         float inv_scale, bool constant_p, const Lane& ln) {
+                                         const int* idx, unsigned char* ds_tile, float sl2, float inv_scale,
+                                         bool constant_p, const Lane& ln) {
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = ln.row0 + 8 * r;
@@ -102,10 +103,9 @@ __device__ __forceinline__ void write_ds(const float (&s)[32], const float (&dp)
                 p[c] = live && idx[col + c] >= 0 ? exp2f(s[i] * sl2 - lse2) : 0.f;
                 ds[c] = constant_p ? 0.f : p[c] * (dp[i] - delta);
             }
-            const u32 off = tile_offset(row, col), ds2 = pack_half2<F16>(ds[0], ds[1]);
-            *reinterpret_cast<u32*>(ds_tile + off) = ds2;
-            *reinterpret_cast<u32*>(image + off) = ds2;
-            *reinterpret_cast<u32*>(image + P_BYTES + off) = pack_half2<F16>(p[0] * inv_scale, p[1] * inv_scale);
+            const u32 off = tile_offset(row, col);
+            *reinterpret_cast<u32*>(ds_tile + off) = pack_half2<F16>(ds[0], ds[1]);
+            *reinterpret_cast<u32*>(ds_tile + P_BYTES + off) = pack_half2<F16>(p[0] * inv_scale, p[1] * inv_scale);
         }
     }
 }
@@ -179,11 +179,12 @@ __device__ __forceinline__ void store_row(const float (&acc)[128], const float (
 
 }  // namespace
 
-// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + KV_BYTES + 2 * P_BYTES
-// (the ds tile, and with the tile after it the float32 dp passed between the
-// warpgroups). Grid: C * groups CTAs over the chunk's queries (pointers start
-// at its first query). images: [C * groups][ceil(k / 64)] blocks of
-// IMAGE_BYTES; blocks without a valid slot are not written.
+// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + KV_BYTES + IMAGE_BYTES
+// (the block's image, ds and p' tiles: first the float32 dp passed between
+// the warpgroups, then the image, stored by one bulk copy). Grid: C * groups
+// CTAs over the chunk's queries (pointers start at its first query). images:
+// [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks without a valid
+// slot are not written.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout, const float* lse,
                u16* dq, unsigned char* images, int h, int k, float scale) {
@@ -192,7 +193,7 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
     unsigned char* do_tile = q_tile + Q_BYTES;
     unsigned char* kv_tile = do_tile + DO_BYTES;
     unsigned char* ds_tile = kv_tile + KV_BYTES;
-    float* dp_swap = reinterpret_cast<float*>(ds_tile);  // 2 * P_BYTES, free until the ds tile is written
+    float* dp_swap = reinterpret_cast<float*>(ds_tile);  // IMAGE_BYTES, free until the image is written
     const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
     const int nb = (k + BK - 1) / BK;
     const Lane ln = lane_geometry();
@@ -243,14 +244,16 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
             float dp[32];
             take_dp(dp_swap, dp);
             bar_sync(1, 128);  // warpgroup 0 has read dp before its ds tile overwrites it
-            write_ds(sd, dp, sh, sh.idx[0], ds_tile, image + (size_t)b * IMAGE_BYTES, sl2, 1.f / scale, constant_p,
-                     ln);
+            write_ds(sd, dp, sh, sh.idx[0], ds_tile, sl2, 1.f / scale, constant_p, ln);
         }
         fence_proxy_async();
         __syncthreads();
+        if (threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);
         add_ds_kv(acc, rope, ds_tile, kv_tile, ln);
-        __syncthreads();  // the kv and ds tiles are free for the next block
+        if (threadIdx.x == 0) bulk_wait_read();
+        __syncthreads();  // the kv tile and the image are free for the next block
     }
+    if (threadIdx.x == 0) bulk_wait();
     cp_async_wait<0>();
     #pragma unroll
     for (int r = 0; r < 2; ++r) {

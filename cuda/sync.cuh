@@ -1,6 +1,7 @@
 // Synchronisation between the warps of a CTA (sm_90): mbarriers in shared
-// memory that cp.async copies arrive on, and named barriers (bar.sync /
-// bar.arrive over a subset of the CTA's warps).
+// memory that cp.async copies arrive on, named barriers (bar.sync /
+// bar.arrive over a subset of the CTA's warps), and bulk stores from shared
+// memory with their waits.
 #pragma once
 
 #include "select.cuh"
@@ -41,5 +42,20 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 __device__ __forceinline__ void bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+
+// One thread: `bytes` (a multiple of 16, both addresses 16-byte aligned)
+// from shared to global memory by the bulk-copy engine, as a bulk group of
+// its own. The shared source must be fenced (fence.proxy.async) after its
+// writes and left alone until bulk_wait_read.
+__device__ __forceinline__ void bulk_store(void* gmem, const void* smem, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gmem), "r"(smem_addr(smem)),
+                 "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Until this thread's bulk stores have read their shared source.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Until this thread's bulk stores are complete (written to global memory).
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 }  // namespace hs
