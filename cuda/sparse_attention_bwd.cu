@@ -1,14 +1,12 @@
 // Sparse attention backward on tensor cores (layout: sparse_attention.cuh),
 // in three kernels with no float atomics:
 //
-// sa_backward_dq recomputes, per block, the logits (warpgroup 0) and dp = dout
-// v^T (warpgroup 1), each m64n64 over all 64 slots; warpgroup 1 passes dp to
-// warpgroup 0 through shared memory, which forms p = exp(logit - lse) and
-// ds = p (dp - delta) (delta = rowsum(dout * out), made first; exactly 0 on
-// rows whose valid slots all hold one key) and writes the block's ds and p' =
-// p / scale tiles (16-bit, as their swizzled shared-memory image) to a scratch
-// buffer (one bulk copy from shared memory); both warpgroups then add ds kv
-// into dq (kept in registers).
+// sa_backward_dq recomputes p = exp(logit - lse) and dp = dout v^T per block,
+// forms ds = p (dp - delta) (delta = rowsum(dout * out), made first; exactly
+// 0 on rows whose valid slots all hold one key), adds ds kv into dq (kept in
+// registers), and writes the block's ds and p' = p / scale tiles (16-bit, as
+// their swizzled shared-memory image) to a scratch buffer, by one bulk copy
+// from shared memory.
 // sa_backward_dkv_rows{1,2}_{f32,bf16} read those images back and compute
 // each slot's dkv row, scale * (ds^T q + p'^T dout) summed in float32 over up
 // to 128 heads (one or two head groups: one row per slot for h <= 128), into
@@ -83,9 +81,9 @@ __device__ __forceinline__ void row_stats(BwdShared& sh, const u16* out, const u
 }
 
 // ds = p (dp - delta) (0 for a one-key row) and p' = p / scale for this
-// thread's 32 entries of the block (m64n64 layout), into the shared ds tile
-// and the p' tile after it: the block's image.
-__device__ __forceinline__ void write_ds(const float (&s)[32], const float (&dp)[32], const BwdShared& sh,
+// thread's 16 entries of the block, into the shared ds tile and the p' tile
+// after it: the block's image.
+__device__ __forceinline__ void write_ds(const float (&s)[16], const float (&dp)[16], const BwdShared& sh,
                                          const int* idx, unsigned char* ds_tile, float sl2, float inv_scale,
                                          bool constant_p, const Lane& ln) {
     #pragma unroll
@@ -94,8 +92,8 @@ __device__ __forceinline__ void write_ds(const float (&s)[32], const float (&dp)
         const float lse2 = sh.lse2[row], delta = sh.delta[row];
         const bool live = lse2 != neg_inf();
         #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int col = 8 * j + ln.cq;
+        for (int j = 0; j < 4; ++j) {
+            const int col = ln.w * 32 + 8 * j + ln.cq;
             float p[2], ds[2];
             #pragma unroll
             for (int c = 0; c < 2; ++c) {
@@ -108,38 +106,6 @@ __device__ __forceinline__ void write_ds(const float (&s)[32], const float (&dp)
             *reinterpret_cast<u32*>(ds_tile + P_BYTES + off) = pack_half2<F16>(p[0] * inv_scale, p[1] * inv_scale);
         }
     }
-}
-
-// Steps FIRST .. LAST - 1 of a block's first products, m64n64 over the key
-// tile's 64 rows: warpgroup 0's logits (q k^T, k-steps 0..35 in order),
-// warpgroup 1's dp (dout v^T, k-steps 0..31 in order, after four steps of q's
-// rope that its step 4 discards by not accumulating). One instruction stream
-// for both warpgroups, their operands picked by address: a wgmma under a
-// warpgroup branch makes ptxas serialize them all. Issue only.
-template <int FIRST, int LAST>
-__device__ __forceinline__ void issue_logits_or_dp(float (&acc)[32], const unsigned char* q_tile,
-                                                   const unsigned char* do_tile, const unsigned char* kv_tile,
-                                                   const Lane& ln) {
-    #pragma unroll
-    for (int i = FIRST; i < LAST; ++i) {
-        const int kk = ln.w == 0 ? i : (i < 4 ? 32 + i : i - 4);
-        const unsigned char* a = ln.w == 1 && i >= 4 ? do_tile : q_tile;
-        wgmma_m64n64k16<F16, 0, 0>(acc, wgmma_desc_k(a, kk, 64), wgmma_desc_k(kv_tile, kk, 64),
-                                   i > 0 && !(ln.w == 1 && i == 4));
-    }
-}
-
-// Warpgroup 1's dp to warpgroup 0 (the same m64n64 positions per thread) through
-// `swap` (32 x 128 floats, a warp's 32 lanes on consecutive words). The caller
-// synchronises between pass and take.
-__device__ __forceinline__ void pass_dp(float* swap, const float (&dp)[32]) {
-    #pragma unroll
-    for (int j = 0; j < 32; ++j) swap[j * 128 + (threadIdx.x & 127)] = dp[j];
-}
-
-__device__ __forceinline__ void take_dp(const float* swap, float (&dp)[32]) {
-    #pragma unroll
-    for (int j = 0; j < 32; ++j) dp[j] = swap[j * 128 + (threadIdx.x & 127)];
 }
 
 // dq (+)= ds kv for this warpgroup's columns 256 w .. 256 w + 255, and for
@@ -180,11 +146,10 @@ __device__ __forceinline__ void store_row(const float (&acc)[128], const float (
 }  // namespace
 
 // Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + KV_BYTES + IMAGE_BYTES
-// (the block's image, ds and p' tiles: first the float32 dp passed between
-// the warpgroups, then the image, stored by one bulk copy). Grid: C * groups
-// CTAs over the chunk's queries (pointers start at its first query). images:
-// [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks without a valid
-// slot are not written.
+// (the block's image: its ds tile, an operand of ds kv, then its p' tile).
+// Grid: C * groups CTAs over the chunk's queries (pointers start at its first
+// query). images: [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks
+// without a valid slot are not written.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout, const float* lse,
                u16* dq, unsigned char* images, int h, int k, float scale) {
@@ -193,7 +158,6 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
     unsigned char* do_tile = q_tile + Q_BYTES;
     unsigned char* kv_tile = do_tile + DO_BYTES;
     unsigned char* ds_tile = kv_tile + KV_BYTES;
-    float* dp_swap = reinterpret_cast<float*>(ds_tile);  // IMAGE_BYTES, free until the image is written
     const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
     const int nb = (k + BK - 1) / BK;
     const Lane ln = lane_geometry();
@@ -207,15 +171,14 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
     float acc[128], rope[32];
     zero(acc);
     zero(rope);
+    const unsigned char* rows = kv_tile + ln.w * 32 * 128;  // this warpgroup's 32 slots
     int s_cur = slot_key(indices, t, k, 0);
     for (int b = 0; b < nb; ++b) {
-        // Gather block b in two groups: the rope and features 0..191 first (the
-        // first 12 steps of either warpgroup), so their products start while
-        // features 192..511 land.
-        stage_key_row<0, 6>(kv_tile, kv, s_cur);
-        stage_key_row<16, D / 32>(kv_tile, kv, s_cur);
+        // Gather block b in two groups: features 0..255 first, so their
+        // products start while features 256..575 land.
+        stage_key_row<0, 8>(kv_tile, kv, s_cur);
         cp_async_commit();
-        stage_key_row<6, 16>(kv_tile, kv, s_cur);
+        stage_key_row<8, D / 32>(kv_tile, kv, s_cur);
         cp_async_commit();
         record_key(sh.idx[0], s_cur);
         const int s_next = slot_key(indices, t, k, b + 1);
@@ -228,24 +191,22 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
             continue;
         }
         prefetch_key_row(kv, s_next);
-        float sd[32];  // warpgroup 0: the block's logits; warpgroup 1: its dp
-        zero(sd);
-        mma_begin(sd);
-        issue_logits_or_dp<0, 12>(sd, q_tile, do_tile, kv_tile, ln);
+        float s[16], dp[16];
+        zero(s);
+        zero(dp);
+        mma_begin(s);
+        wgmma_fence_operands(dp);
+        issue_rows32<0, 16>(s, q_tile, rows);
+        issue_rows32<0, 16>(dp, do_tile, rows);
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();
-        issue_logits_or_dp<12, D / 16>(sd, q_tile, do_tile, kv_tile, ln);
+        issue_rows32<16, D / 16>(s, q_tile, rows);
+        issue_rows32<16, DV / 16>(dp, do_tile, rows);
         mma_end();
-        wgmma_fence_operands(sd);
-        if (ln.w == 1) pass_dp(dp_swap, sd);
-        __syncthreads();
-        if (ln.w == 0) {
-            float dp[32];
-            take_dp(dp_swap, dp);
-            bar_sync(1, 128);  // warpgroup 0 has read dp before its ds tile overwrites it
-            write_ds(sd, dp, sh, sh.idx[0], ds_tile, sl2, 1.f / scale, constant_p, ln);
-        }
+        wgmma_fence_operands(s);
+        wgmma_fence_operands(dp);
+        write_ds(s, dp, sh, sh.idx[0], ds_tile, sl2, 1.f / scale, constant_p, ln);
         fence_proxy_async();
         __syncthreads();
         if (threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);
@@ -253,8 +214,8 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
         if (threadIdx.x == 0) bulk_wait_read();
         __syncthreads();  // the kv tile and the image are free for the next block
     }
-    if (threadIdx.x == 0) bulk_wait();
     cp_async_wait<0>();
+    if (threadIdx.x == 0) bulk_wait();
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int head = g * BH + ln.row0 + 8 * r;
