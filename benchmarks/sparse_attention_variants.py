@@ -22,9 +22,7 @@ the repository into one of:
   without its tensor products (logits, dp, ds kv), or without its gathers
   (the key tile holds whatever it held);
 - ``dq_no_images``: the dq kernel without the bulk stores of its ds and p'
-  images (the dkv rows that read them come out wrong);
-- ``dq_no_prefetch``: the dq kernel without its L2 prefetch of the next
-  block's rows.
+  images (the dkv rows that read them come out wrong).
 
 ``outputs`` runs the forward (out, lse, probs) and the backward (dq, dkv, with
 and without precise_dkv) of the tree it is run from on
@@ -85,9 +83,7 @@ _DQ_PRODUCTS = ["""        issue_rows32<0, 16>(s, q_tile, rows);
         issue_rows32<0, 16>(dp, do_tile, rows);""", """        issue_rows32<16, D / 16>(s, q_tile, rows);
         issue_rows32<16, DV / 16>(dp, do_tile, rows);""", """        add_ds_kv(acc, rope, ds_tile, kv_tile, ln);"""]
 _DQ_IMAGES = ["""        if (threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);"""]
-_DQ_PREFETCH = ["""        prefetch_key_row(kv, s_next);"""]
-VARIANTS = ("evict_last", "gathers_only", "products_only", "dq_gathers_only", "dq_products_only", "dq_no_images",
-            "dq_no_prefetch")
+VARIANTS = ("evict_last", "gathers_only", "products_only", "dq_gathers_only", "dq_products_only", "dq_no_images")
 
 
 def _replace(text: str, old: str, new: str, path: Path) -> str:
@@ -101,8 +97,7 @@ def patch(tree: Path, variant: str) -> None:
     the repository copy at ``tree`` into ``variant``."""
     kernel = tree / "cuda" / ("sparse_attention_bwd.cu" if variant.startswith("dq_") else "sparse_attention.cu")
     text = kernel.read_text()
-    cuts = {"dq_gathers_only": _DQ_PRODUCTS, "dq_products_only": _DQ_GATHERS, "dq_no_images": _DQ_IMAGES,
-            "dq_no_prefetch": _DQ_PREFETCH}
+    cuts = {"dq_gathers_only": _DQ_PRODUCTS, "dq_products_only": _DQ_GATHERS, "dq_no_images": _DQ_IMAGES}
     if variant in cuts:
         for old in cuts[variant]:
             text = _replace(text, old, "", kernel)

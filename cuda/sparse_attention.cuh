@@ -124,14 +124,6 @@ __device__ __forceinline__ void record_key(int* idx, int s) {
     if ((threadIdx.x & 3) == 0) idx[threadIdx.x >> 2] = s;
 }
 
-// Pull kv row s into L2 ahead of its gather (this thread's 128-byte lines of it); nothing when s < 0.
-__device__ __forceinline__ void prefetch_key_row(const u16* kv, int s) {
-    if (s < 0) return;
-    const char* row = reinterpret_cast<const char*>(kv + (size_t)s * D);
-    for (int line = threadIdx.x & 3; line * 128 < D * 2; line += 4)
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + line * 128));
-}
-
 template <int N>
 __device__ __forceinline__ void mma_begin(float (&d)[N]) {
     wgmma_fence_operands(d);

@@ -190,7 +190,6 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
             cp_async_wait<0>();  // a thread restages only its own chunks, after they landed
             continue;
         }
-        prefetch_key_row(kv, s_next);
         float s[16], dp[16];
         zero(s);
         zero(dp);
