@@ -21,7 +21,7 @@
 namespace {
 
 struct BwdShared {
-    int idx[2][BK];
+    alignas(16) int idx[2][BK];
     float delta[BH];
     float lse2[BH];
     int key_min, key_max;
@@ -64,14 +64,24 @@ __device__ __forceinline__ float dot_halves(uint4 a, uint4 b) {
 
 // delta = rowsum(dout * out) and lse in base 2 for the CTA's 64 head rows
 // (0 and -inf for heads past h); 4 threads per row, summed in a fixed order.
+// A thread's 16 chunks of each row are all requested before the first is
+// used: they come from memory, and one at a time would wait 16 times.
 __device__ __forceinline__ void row_stats(BwdShared& sh, const u16* out, const u16* dout, const float* lse, int t,
                                           int g, int h) {
+    constexpr int CHUNKS = DV / 8 / 4;  // 16-byte chunks per thread and row
     const int r = threadIdx.x >> 2, head = g * BH + r;
     float acc = 0.f;
     if (head < h) {
-        const uint4* o4 = reinterpret_cast<const uint4*>(out + ((size_t)t * h + head) * DV);
-        const uint4* d4 = reinterpret_cast<const uint4*>(dout + ((size_t)t * h + head) * DV);
-        for (int c = threadIdx.x & 3; c < DV / 8; c += 4) acc += dot_halves(o4[c], d4[c]);
+        const uint4* o4 = reinterpret_cast<const uint4*>(out + ((size_t)t * h + head) * DV) + (threadIdx.x & 3);
+        const uint4* d4 = reinterpret_cast<const uint4*>(dout + ((size_t)t * h + head) * DV) + (threadIdx.x & 3);
+        uint4 o[CHUNKS], d[CHUNKS];
+        #pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            o[i] = o4[4 * i];
+            d[i] = d4[4 * i];
+        }
+        #pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) acc += dot_halves(o[i], d[i]);
     }
     acc = quad_sum(acc);
     if ((threadIdx.x & 3) == 0) {
@@ -82,10 +92,15 @@ __device__ __forceinline__ void row_stats(BwdShared& sh, const u16* out, const u
 
 // ds = p (dp - delta) (0 for a one-key row) and p' = p / scale for this
 // thread's 16 entries of the block, into the shared ds tile and the p' tile
-// after it: the block's image.
+// after it: the block's image. The slots' keys are read first and every
+// exponential is taken, then masked: no branch per entry, so the entries'
+// latencies overlap.
 __device__ __forceinline__ void write_ds(const float (&s)[16], const float (&dp)[16], const BwdShared& sh,
                                          const int* idx, unsigned char* ds_tile, float sl2, float inv_scale,
                                          bool constant_p, const Lane& ln) {
+    int2 keys[4];  // the keys of columns col and col + 1 below
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) keys[j] = *reinterpret_cast<const int2*>(idx + ln.w * 32 + 8 * j + ln.cq);
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = ln.row0 + 8 * r;
@@ -94,11 +109,13 @@ __device__ __forceinline__ void write_ds(const float (&s)[16], const float (&dp)
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int col = ln.w * 32 + 8 * j + ln.cq;
+            const bool valid[2] = {live && keys[j].x >= 0, live && keys[j].y >= 0};
             float p[2], ds[2];
             #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int i = 4 * j + 2 * r + c;
-                p[c] = live && idx[col + c] >= 0 ? exp2f(s[i] * sl2 - lse2) : 0.f;
+                const float e = exp2f(s[i] * sl2 - lse2);
+                p[c] = valid[c] ? e : 0.f;
                 ds[c] = constant_p ? 0.f : p[c] * (dp[i] - delta);
             }
             const u32 off = tile_offset(row, col);
