@@ -232,26 +232,14 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
     }
     cp_async_wait<0>();
     if (threadIdx.x == 0) bulk_wait();
-    __syncthreads();  // every copy into the key tile has landed (a skipped last block has no barrier after it)
-    // dq through shared memory, over the key tile and the image: rows of
-    // DQ_STRIDE bytes (padded so that a warp's eight rows start on different
-    // banks), then 16-byte chunks of the group's contiguous rows to dq.
-    constexpr int DQ_STRIDE = D * 2 + 16;
-    static_assert(BH * DQ_STRIDE <= KV_BYTES + IMAGE_BYTES, "dq's stage overruns the shared memory");
-    unsigned char* stage = kv_tile;
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        unsigned char* row = stage + (ln.row0 + 8 * r) * DQ_STRIDE;
+        const int head = g * BH + ln.row0 + 8 * r;
+        if (head >= h) continue;
+        u16* dst = dq + ((size_t)t * h + head) * D;
         store_row(acc, rope, r, scale, ln, [&](int c, float a, float v) {
-            *reinterpret_cast<u32*>(row + 2 * c) = pack_half2<F16>(a, v);
+            *reinterpret_cast<u32*>(dst + c) = pack_half2<F16>(a, v);
         });
-    }
-    __syncthreads();
-    const int heads = min(BH, h - g * BH);
-    uint4* dst = reinterpret_cast<uint4*>(dq + ((size_t)t * h + g * BH) * D);
-    for (int i = threadIdx.x; i < heads * (D / 8); i += THREADS) {
-        const int row = i / (D / 8), chunk = i % (D / 8);
-        dst[i] = *reinterpret_cast<const uint4*>(stage + row * DQ_STRIDE + 16 * chunk);
     }
 }
 
