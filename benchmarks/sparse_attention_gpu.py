@@ -14,16 +14,16 @@ fwd+probs" the public call with return_probs=True (a second pass recomputes
 the logits once lse is known); "hs bwd" the public backward (bfloat16 dkv
 rows), "hs bwd precise" the same with precise_dkv=True (float32 rows). With
 --breakdown, "hs bwd phase: ..." rows estimate each of the default
-backward's three phases (or those --phases names), the key sort alone (part of the third) and a
-plain write of the rows' bytes (the rows kernel's memory floor), from its
-first query chunk timed, times the chunk count; "hs bwd one stream" is the
-backward without its second stream. torch runs
+backward's three phases, the key sort alone (part of the third) and a plain
+write of the rows' bytes (the rows kernel's memory floor), from its first
+query chunk timed, times the chunk count (--phases: only the named ones);
+"hs bwd one stream" is the backward without its second stream. torch runs
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. --impls times
-only the named hs rows (for A/B runs of one kernel; none, with --breakdown,
-times only the phases). Indices: for
-query t, k keys drawn uniformly (with replacement) from [0, max(t + 1, k)):
-causal after the first k rows, no -1 slots.
+only the named hs rows (for A/B runs of one kernel; the flag alone, with
+--breakdown, times only the phases). Indices: for query t, k keys drawn
+uniformly (with replacement) from [0, max(t + 1, k)): causal after the
+first k rows, no -1 slots.
 """
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ _PRODUCTS = [  # (product call, what replaces it)
                                     wgmma_desc_mn(tile + half * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);""",
      "        (void)p_tile;"),
 ]
-_DQ_GATHERS = ["""        stage_key_row<0, 8>(kv_tile, kv, s_cur);""", """        stage_key_row<8, D / 32>(kv_tile, kv, s_cur);"""]
+_DQ_GATHERS = ["""        stage_key_row<0, 8>(kv_tile, kv, s_cur);""",
+               """        stage_key_row<8, D / 32>(kv_tile, kv, s_cur);"""]
 _DQ_PRODUCTS = ["""        issue_rows32<0, 16>(s, q_tile, rows);
         issue_rows32<0, 16>(dp, do_tile, rows);""", """        issue_rows32<16, D / 16>(s, q_tile, rows);
         issue_rows32<16, DV / 16>(dp, do_tile, rows);""", """        add_ds_kv(acc, rope, ds_tile, kv_tile, ln);"""]
