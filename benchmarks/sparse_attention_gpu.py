@@ -97,29 +97,29 @@ PHASES = {"dq": "dq kernel", "rows": "dkv rows kernel", "sort": "key sort", "sum
 
 def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats, only=None):
     """ms of the backward's phases (``only``: keys of PHASES, default all) on
-    its first query chunk, times the number of chunks: {phase: (ms, chunk
-    queries)}."""
+    its first query chunk, times the number of chunks: {phase name: (ms,
+    chunk queries)}."""
     from hyscale_core.gpu.segments import key_segments
     from hyscale_core.ops.sparse_attention import gpu
 
     n, h, _ = q.shape
+    keys = only or list(PHASES)
     passes, rows_as = gpu.head_passes(h), gpu.dkv_rows_dtype(q, precise_dkv=False)
     defines, out16, dout16, lse32 = gpu.backward_operands(q, kv, out, lse, dout, D_V, scale)
     c = next(gpu.query_chunks(n, passes * idx.shape[1], rows_as))[1]
     part = slice(0, c)
     dq = cp.empty(q[part].shape, dtype=cp.uint16)
-    dkv = cp.zeros(kv.shape, dtype=cp.float32)
     operands = (q[part], kv, idx[part], out16[part], dout16[part], lse32[part], dq, scale, defines)
-    images = gpu.dq_and_images(*operands)
-    rows = gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines, rows_as)
-    phases = {"dq kernel": lambda i: gpu.dq_and_images(*operands),
-              "dkv rows kernel": lambda i: gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines,
-                                                       rows_as),
-              "key sort": lambda i: key_segments(idx[part], cp.int32, kv.shape[0]),
-              "sort + per-key sums": lambda i: gpu.add_rows_by_key(idx[part], rows, passes, dkv, defines),
-              "write of the rows' bytes (fill)": lambda i: rows.fill(0)}
-    names = [PHASES[key] for key in only] if only else list(phases)
-    return {name: (time_gpu(phases[name], repeats=repeats, warmup=1) * n / c, c) for name in names}
+    phases = {"dq": lambda i: gpu.dq_and_images(*operands),
+              "sort": lambda i: key_segments(idx[part], cp.int32, kv.shape[0])}
+    if {"rows", "sums", "fill"} & set(keys):  # these start from a chunk's images and rows
+        images = gpu.dq_and_images(*operands)
+        rows = gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines, rows_as)
+        dkv = cp.zeros(kv.shape, dtype=cp.float32)
+        phases.update(rows=lambda i: gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines, rows_as),
+                      sums=lambda i: gpu.add_rows_by_key(idx[part], rows, passes, dkv, defines),
+                      fill=lambda i: rows.fill(0))
+    return {PHASES[key]: (time_gpu(phases[key], repeats=repeats, warmup=1) * n / c, c) for key in keys}
 
 
 def run_config(args, cp, torch, hs, n, h, rates):
