@@ -272,6 +272,9 @@ __device__ __forceinline__ void store_rows(const float (&acc)[4 * J], float scal
                                            const int* idx, const Lane& ln) {
     constexpr int BLOCKS = 128 / (8 * (int)sizeof(Row));  // column blocks of 8 per round
     const int lane = threadIdx.x & 31, first_slot = 16 * ((threadIdx.x >> 5) & 3);
+    bool keep[4];  // whether the slot of this lane's i-th store holds a key
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) keep[i] = idx[first_slot + 4 * i + (lane >> 3)] >= 0;
     #pragma unroll
     for (int j0 = 0; j0 < J; j0 += BLOCKS) {
         #pragma unroll
@@ -289,12 +292,11 @@ __device__ __forceinline__ void store_rows(const float (&acc)[4 * J], float scal
             }
         }
         __syncwarp();
-        #pragma unroll 1
+        #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int row = 4 * i + (lane >> 3), chunk = lane & 7, slot = first_slot + row;
             const uint4 v = *reinterpret_cast<const uint4*>(stage + row * 128 + (((chunk ^ row) & 7) << 4));
-            if (idx[slot] >= 0)
-                reinterpret_cast<uint4*>(rows + (size_t)slot * D + 8 * j0)[chunk] = v;
+            if (keep[i]) reinterpret_cast<uint4*>(rows + (size_t)slot * D + 8 * j0)[chunk] = v;
         }
         __syncwarp();
     }
