@@ -26,7 +26,7 @@ the repository into one of:
 - ``dq_no_rows_products``, ``dq_no_rows``: the dq kernel that writes the
   dkv rows (sa_backward_dq_rows) without their products and staging (it
   stores whatever the key tile holds), or without the rows at all (dkv
-  comes out wrong either way).
+  comes out wrong).
 
 ``outputs`` runs the forward (out, lse, probs) and the backward (dq, dkv, with
 and without precise_dkv) of the tree it is run from on
@@ -86,14 +86,12 @@ _DQ_GATHERS = ["""        stage_key_row<0, 8>(kv_tile, kv, s_cur);""",
                """        stage_key_row<8, D / 32>(kv_tile, kv, s_cur);"""]
 _DQ_PRODUCTS = ["""        issue_rows32<0, 16>(s, q_tile, rows);
         issue_rows32<0, 16>(dp, do_tile, rows);""", """        issue_rows32<16, D / 16>(s, q_tile, rows);
-        issue_rows32<16, DV / 16>(dp, do_tile, rows);""", """        add_ds_kv<!ROWS>(acc, rope, ds_tile, kv_tile, ln);"""]
+        issue_rows32<16, DV / 16>(dp, do_tile, rows);""", """        add_ds_kv(acc, rope, ds_tile, kv_tile, ln);"""]
 _DQ_IMAGES = ["""        if (!ROWS && threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);"""]
-_DQ_ROWS_PRODUCTS = ("""            stage_dkv_rows(ds_tile, q_tile, do_tile, kv_tile, scale, acc, rope, ln);""",
-                     """            wgmma_wait<0>();
-            __syncthreads();""")
-_DQ_ROWS_STORE = """            if (threadIdx.x == 0)
+_DQ_ROWS = ["""            stage_dkv_rows(ds_tile, q_tile, do_tile, kv_tile, scale, ln);""",
+            """            if (threadIdx.x == 0)
                 bulk_store(reinterpret_cast<u16*>(scratch) + (first_row + (size_t)b * BK) * D, kv_tile,
-                           (u32)min(BK, k - b * BK) * D * 2);"""
+                           (u32)min(BK, k - b * BK) * D * 2);"""]
 VARIANTS = ("evict_last", "gathers_only", "products_only", "dq_gathers_only", "dq_products_only", "dq_no_images",
             "dq_no_rows_products", "dq_no_rows")
 
@@ -110,12 +108,10 @@ def patch(tree: Path, variant: str) -> None:
     kernel = tree / "cuda" / ("sparse_attention_bwd.cu" if variant.startswith("dq_") else "sparse_attention.cu")
     text = kernel.read_text()
     cuts = {"dq_gathers_only": _DQ_PRODUCTS, "dq_products_only": _DQ_GATHERS, "dq_no_images": _DQ_IMAGES,
-            "dq_no_rows": [_DQ_ROWS_STORE]}
-    if variant in cuts or variant == "dq_no_rows_products":
-        for old in cuts.get(variant, []):
+            "dq_no_rows_products": _DQ_ROWS[:1], "dq_no_rows": _DQ_ROWS}
+    if variant in cuts:
+        for old in cuts[variant]:
             text = _replace(text, old, "", kernel)
-        if variant.startswith("dq_no_rows"):  # waits for ds kv, which the rows' first piece waited for
-            text = _replace(text, *_DQ_ROWS_PRODUCTS, kernel)
     elif variant == "evict_last":
         text = _replace(text, _GATHER_LOOP, _EVICT_LAST_LOOP, kernel)
         tiles = tree / "cuda" / "tiles.cuh"

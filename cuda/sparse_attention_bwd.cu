@@ -141,8 +141,6 @@ __device__ __forceinline__ void write_ds(const float (&s)[16], const float (&dp)
 // stores it): the two then run one instruction stream, which ptxas keeps
 // pipelined (a wgmma under a warpgroup branch serializes them all); the
 // duplicate costs no time, as warpgroup 0 needs those columns anyway.
-// WAIT false: issued and committed only; the caller waits.
-template <bool WAIT = true>
 __device__ __forceinline__ void add_ds_kv(float (&acc)[128], float (&rope)[32], const unsigned char* ds_tile,
                                           const unsigned char* tile, const Lane& ln) {
     mma_begin(acc);
@@ -153,9 +151,7 @@ __device__ __forceinline__ void add_ds_kv(float (&acc)[128], float (&rope)[32], 
         wgmma_m64n256k16<F16, 0, 1>(acc, a, wgmma_desc_mn(tile + ln.w * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);
         wgmma_m64n64k16<F16, 0, 1>(rope, a, wgmma_desc_mn(tile + 8 * REGION + kk * K_STEP_ROWS, REGION), 1);
     }
-    wgmma_commit();
-    if (!WAIT) return;
-    wgmma_wait_all();
+    mma_end();
     wgmma_fence_operands(acc);
     wgmma_fence_operands(rope);
 }
@@ -182,12 +178,11 @@ __device__ __forceinline__ void store_row(const float (&acc)[128], const float (
 // sa_backward_dkv_rows1_bf16's, in m64n64 pieces: warpgroup w takes features
 // 256 w .. 256 w + 255 in four, and both take the rope features 512..575 (ds
 // q only), which warpgroup 0 stages (one instruction stream, as add_ds_kv).
-// The caller's ds kv (into acc and rope, reading the key tile, which is
-// `stage`) is in flight, the last group committed: the first piece is issued
-// behind it, then the CTA waits for both warpgroups' ds kv before staging.
+// `stage` must be free once the first piece is done: the barrier after it
+// is where the caller's last reads of it (ds kv) end.
 __device__ __forceinline__ void stage_dkv_rows(const unsigned char* image, const unsigned char* q_tile,
                                                const unsigned char* do_tile, unsigned char* stage, float scale,
-                                               float (&acc)[128], float (&rope)[32], const Lane& ln) {
+                                               const Lane& ln) {
     float r[32];
     #pragma unroll
     for (int piece = 0; piece < 5; ++piece) {
@@ -202,15 +197,9 @@ __device__ __forceinline__ void stage_dkv_rows(const unsigned char* image, const
                 wgmma_m64n64k16<F16, 1, 1>(r, wgmma_desc_mn(image + P_BYTES + kk * K_STEP_ROWS, REGION),
                                            wgmma_desc_mn(do_tile + region * REGION + kk * K_STEP_ROWS, REGION), 1);
         }
-        wgmma_commit();
-        if (piece == 0) {
-            wgmma_wait<1>();  // this warpgroup's ds kv
-            wgmma_fence_operands(acc);
-            wgmma_fence_operands(rope);
-            __syncthreads();  // both warpgroups' ds kv have read the key tile: it becomes the stage
-        }
-        wgmma_wait<0>();
+        mma_end();
         wgmma_fence_operands(r);
+        if (piece == 0) __syncthreads();  // both warpgroups' ds kv have read the key tile: it becomes the stage
         if (piece == 4 && ln.w == 1) continue;
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -287,9 +276,9 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
         fence_proxy_async();
         __syncthreads();
         if (!ROWS && threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);
-        add_ds_kv<!ROWS>(acc, rope, ds_tile, kv_tile, ln);
+        add_ds_kv(acc, rope, ds_tile, kv_tile, ln);
         if constexpr (ROWS) {
-            stage_dkv_rows(ds_tile, q_tile, do_tile, kv_tile, scale, acc, rope, ln);
+            stage_dkv_rows(ds_tile, q_tile, do_tile, kv_tile, scale, ln);
             fence_proxy_async();
             __syncthreads();
             if (threadIdx.x == 0)
