@@ -294,18 +294,20 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
         write_ds(s, dp, sh, sh.idx[0], ds_tile, sl2, 1.f / scale, constant_p, ln);
         fence_proxy_async();
         __syncthreads();
+        if (!ROWS && threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);
         add_ds_kv(acc, rope, ds_tile, kv_tile, ln);
         if constexpr (ROWS) {
             stage_dkv_rows(ds_tile, q_tile, do_tile, kv_tile, scale, ln);
             __syncthreads();
             copy_out(reinterpret_cast<u16*>(scratch) + (first_row + (size_t)b * BK) * D, kv_tile,
                      min(BK, k - b * BK) * D * 2 / 16);
-        } else {
-            copy_out(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES / 16);
+        } else if (threadIdx.x == 0) {
+            bulk_wait_read();
         }
         __syncthreads();  // the kv tile and the image are free for the next block
     }
     cp_async_wait<0>();
+    if (threadIdx.x == 0) bulk_wait();
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int head = g * BH + ln.row0 + 8 * r;
