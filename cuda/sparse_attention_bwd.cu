@@ -20,8 +20,8 @@
 //
 // The rows' layout: [rows, 576], the 16-byte chunks of the row of slot i
 // XOR-swizzled in groups of eight by i (rows_chunk), so that the 64 rows of a
-// block can be staged in shared memory without bank conflicts and copied out
-// as they lie there.
+// block can be staged in shared memory without bank conflicts and stored by
+// one bulk copy.
 #include "wgmma.cuh"
 #include "sparse_attention.cuh"
 #include "sync.cuh"
@@ -213,25 +213,6 @@ __device__ __forceinline__ void stage_dkv_rows(const unsigned char* image, const
     }
 }
 
-// `chunks` 16-byte chunks from shared to global memory, by all threads in
-// consecutive order. The loads are done when this returns and the stores need
-// no wait, so the source is free sooner than after a bulk copy's read of it
-// (which ran at about 26 bytes a cycle here: benchmarks/NOTES.md).
-__device__ __forceinline__ void copy_out(void* gmem, const unsigned char* smem, int chunks) {
-    constexpr int AHEAD = 6;  // loads in flight per thread
-    uint4* to = reinterpret_cast<uint4*>(gmem);
-    const uint4* from = reinterpret_cast<const uint4*>(smem);
-    for (int c0 = threadIdx.x; c0 < chunks; c0 += AHEAD * THREADS) {
-        uint4 v[AHEAD];
-        #pragma unroll
-        for (int i = 0; i < AHEAD; ++i)
-            if (c0 + i * THREADS < chunks) v[i] = from[c0 + i * THREADS];
-        #pragma unroll
-        for (int i = 0; i < AHEAD; ++i)
-            if (c0 + i * THREADS < chunks) to[c0 + i * THREADS] = v[i];
-    }
-}
-
 // dq and the block images (ROWS false) or the dkv rows (ROWS true) of one
 // CTA: query t = blockIdx.x / groups, heads 64 g .. 64 g + 63.
 template <bool ROWS>
@@ -298,12 +279,13 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
         add_ds_kv(acc, rope, ds_tile, kv_tile, ln);
         if constexpr (ROWS) {
             stage_dkv_rows(ds_tile, q_tile, do_tile, kv_tile, scale, ln);
+            fence_proxy_async();
             __syncthreads();
-            copy_out(reinterpret_cast<u16*>(scratch) + (first_row + (size_t)b * BK) * D, kv_tile,
-                     min(BK, k - b * BK) * D * 2 / 16);
-        } else if (threadIdx.x == 0) {
-            bulk_wait_read();
+            if (threadIdx.x == 0)
+                bulk_store(reinterpret_cast<u16*>(scratch) + (first_row + (size_t)b * BK) * D, kv_tile,
+                           (u32)min(BK, k - b * BK) * D * 2);
         }
+        if (threadIdx.x == 0) bulk_wait_read();
         __syncthreads();  // the kv tile and the image are free for the next block
     }
     cp_async_wait<0>();
