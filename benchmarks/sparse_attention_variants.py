@@ -26,7 +26,7 @@ the repository into one of:
 - ``dq_no_rows_products``, ``dq_no_rows``: the dq kernel that writes the
   dkv rows (sa_backward_dq_rows) without their products and staging (it
   stores whatever the key tile holds), or without the rows at all (dkv
-  comes out wrong).
+  comes out wrong either way).
 
 ``outputs`` runs the forward (out, lse, probs) and the backward (dq, dkv, with
 and without precise_dkv) of the tree it is run from on
@@ -89,9 +89,17 @@ _DQ_PRODUCTS = ["""        issue_rows32<0, 16>(s, q_tile, rows);
         issue_rows32<16, DV / 16>(dp, do_tile, rows);""", """        add_ds_kv(acc, rope, ds_tile, kv_tile, ln);"""]
 _DQ_IMAGES = ["""        if (!ROWS && threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);"""]
 _DQ_ROWS = ["""            stage_dkv_rows(ds_tile, q_tile, do_tile, kv_tile, scale, ln);""",
-            """            if (threadIdx.x == 0)
-                bulk_store(reinterpret_cast<u16*>(scratch) + (first_row + (size_t)b * BK) * D, kv_tile,
-                           (u32)min(BK, k - b * BK) * D * 2);"""]
+            """            if (threadIdx.x == 0) {
+                u16* block_rows = reinterpret_cast<u16*>(scratch) + (first_row + (size_t)b * BK) * D;
+                const int n = min(BK, k - b * BK), first = min(n, STAGE_SPLIT);
+                bulk_store(block_rows, kv_tile, (u32)first * D * 2);
+                if (n > first) {
+                    bulk_store(block_rows + (size_t)first * D, kv_tile + 4 * REGION, (u32)(n - first) * D * 2);
+                    bulk_wait_read<1>();  // the first part read: features 0..255 of the key tile are free
+                } else {
+                    bulk_wait_read();
+                }
+            }"""]
 VARIANTS = ("evict_last", "gathers_only", "products_only", "dq_gathers_only", "dq_products_only", "dq_no_images",
             "dq_no_rows_products", "dq_no_rows")
 

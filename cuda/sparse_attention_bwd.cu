@@ -171,10 +171,21 @@ __device__ __forceinline__ void store_row(const float (&acc)[128], const float (
             store(DV + 8 * j + ln.cq, rope[4 * j + 2 * r] * scale, rope[4 * j + 2 * r + 1] * scale);
 }
 
+// Where the stage of a block's rows (sa_backward_dq_rows) holds the row of
+// slot s of the block: rows 0 .. STAGE_SPLIT - 1 before the key tile's
+// features 256.. (regions 4..8, at byte 32768), the rest from there on (past
+// the key tile by 512 bytes), so that the two parts are stored by two bulk
+// copies and the next block's features 0..255 are gathered once the first
+// has read its part.
+constexpr int STAGE_SPLIT = 4 * REGION / (D * 2);  // 28 rows of 1152 bytes
+__device__ __forceinline__ int stage_row_offset(int s) {
+    return s < STAGE_SPLIT ? s * D * 2 : 4 * REGION + (s - STAGE_SPLIT) * D * 2;
+}
+
 // This block's dkv rows, scale * (ds^T q + p'^T dout) over the CTA's 64
 // heads, from its image (ds, then p') and the q and dout tiles, as bfloat16
-// into `stage` ([64 slots][576] in the rows' layout: the block starts at a
-// multiple of 64 slots). The same products in the same order as
+// into `stage` (rows at stage_row_offset, each in the rows' layout: the block
+// starts at a multiple of 64 slots). The same products in the same order as
 // sa_backward_dkv_rows1_bf16's, in m64n64 pieces: warpgroup w takes features
 // 256 w .. 256 w + 255 in four, and both take the rope features 512..575 (ds
 // q only), which warpgroup 0 stages (one instruction stream, as add_ds_kv).
@@ -204,7 +215,7 @@ __device__ __forceinline__ void stage_dkv_rows(const unsigned char* image, const
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int slot = ln.row0 + 8 * half;
-            unsigned char* row = stage + slot * (D * 2);
+            unsigned char* row = stage + stage_row_offset(slot);
             #pragma unroll
             for (int j = 0; j < 8; ++j)
                 *reinterpret_cast<u32*>(row + 16 * rows_chunk(slot, 8 * region + j) + 2 * ln.cq) =
@@ -222,8 +233,8 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
     __shared__ BwdShared sh;
     unsigned char* q_tile = aligned_dynamic_smem();
     unsigned char* do_tile = q_tile + Q_BYTES;
-    unsigned char* kv_tile = do_tile + DO_BYTES;
-    unsigned char* ds_tile = kv_tile + KV_BYTES;
+    unsigned char* ds_tile = do_tile + DO_BYTES;
+    unsigned char* kv_tile = ds_tile + IMAGE_BYTES;
     const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
     const int nb = (k + BK - 1) / BK;
     const Lane ln = lane_geometry();
@@ -245,6 +256,10 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
         // products start while features 256..575 land.
         stage_key_row<0, 8>(kv_tile, kv, s_cur);
         cp_async_commit();
+        if constexpr (ROWS) {  // the last block's second part of rows is read out of features 256..
+            if (threadIdx.x == 0) bulk_wait_read();
+            __syncthreads();
+        }
         stage_key_row<8, D / 32>(kv_tile, kv, s_cur);
         cp_async_commit();
         record_key(sh.idx[0], s_cur);
@@ -281,12 +296,21 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
             stage_dkv_rows(ds_tile, q_tile, do_tile, kv_tile, scale, ln);
             fence_proxy_async();
             __syncthreads();
-            if (threadIdx.x == 0)
-                bulk_store(reinterpret_cast<u16*>(scratch) + (first_row + (size_t)b * BK) * D, kv_tile,
-                           (u32)min(BK, k - b * BK) * D * 2);
+            if (threadIdx.x == 0) {
+                u16* block_rows = reinterpret_cast<u16*>(scratch) + (first_row + (size_t)b * BK) * D;
+                const int n = min(BK, k - b * BK), first = min(n, STAGE_SPLIT);
+                bulk_store(block_rows, kv_tile, (u32)first * D * 2);
+                if (n > first) {
+                    bulk_store(block_rows + (size_t)first * D, kv_tile + 4 * REGION, (u32)(n - first) * D * 2);
+                    bulk_wait_read<1>();  // the first part read: features 0..255 of the key tile are free
+                } else {
+                    bulk_wait_read();
+                }
+            }
+        } else if (threadIdx.x == 0) {
+            bulk_wait_read();
         }
-        if (threadIdx.x == 0) bulk_wait_read();
-        __syncthreads();  // the kv tile and the image are free for the next block
+        __syncthreads();  // the kv tile's features 0..255 (ROWS) or all of it, and the image, are free
     }
     cp_async_wait<0>();
     if (threadIdx.x == 0) bulk_wait();
@@ -303,8 +327,10 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
 
 }  // namespace
 
-// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + KV_BYTES + IMAGE_BYTES
-// (the block's image: its ds tile, an operand of ds kv, then its p' tile).
+// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + IMAGE_BYTES + KV_BYTES +
+// 512 (the block's image: its ds tile, an operand of ds kv, then its p'
+// tile; the 512 bytes past the key tile hold the end of sa_backward_dq_rows'
+// stage).
 // Grid: C * groups CTAs over the chunk's queries (pointers start at its first
 // query). images: [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks
 // without a valid slot are not written.

@@ -69,7 +69,7 @@ HEADS_PER_CTA, SLOTS_PER_BLOCK, THREADS = 64, 64, 256
 _TILE = 64 * 128  # one 64-row region of a swizzled tile, bytes
 IMAGE_BYTES = 2 * _TILE  # a block's ds and p' tiles
 SMEM_FORWARD = 1024 + 9 * _TILE + 2 * 9 * _TILE + _TILE  # q, two key blocks, a p tile (probs: per-warp sums)
-SMEM_DQ = 1024 + 9 * _TILE + 8 * _TILE + 9 * _TILE + IMAGE_BYTES  # q, dout, a key block, its image
+SMEM_DQ = 1024 + 9 * _TILE + 8 * _TILE + IMAGE_BYTES + 9 * _TILE + 512  # q, dout, a block's image, its keys
 GROUPS_PER_PASS = 2  # head groups one dkv-rows pass sums (its K: up to 128 heads)
 SMEM_DKV_ROWS = {gp: 1024 + 13 * gp * _TILE for gp in (1, 2)}  # q and dout columns of a half, 2 blocks of images
 
