@@ -14,11 +14,9 @@ fwd+probs" the public call with return_probs=True (a second pass recomputes
 the logits once lse is known); "hs bwd" the public backward (bfloat16 dkv
 rows), "hs bwd precise" the same with precise_dkv=True (float32 rows). With
 --breakdown, "hs bwd phase: ..." rows estimate each of the default
-backward's phases (the dq kernel, the rows kernel where the dq kernel does
-not write the rows itself, the per-key sums), the key sort alone (part of
-the sums) and a plain write of the rows' bytes (their memory floor), from
-its first query chunk timed, times the chunk count (--phases: only the
-named ones; --dq-rows-max-groups picks the rows' path);
+backward's three phases, the key sort alone (part of the third) and a plain
+write of the rows' bytes (the rows kernel's memory floor), from its first
+query chunk timed, times the chunk count (--phases: only the named ones);
 "hs bwd one stream" is the backward without its second stream. torch runs
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. --impls times
@@ -100,28 +98,25 @@ PHASES = {"dq": "dq kernel", "rows": "dkv rows kernel", "sort": "key sort", "sum
 def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats, only=None):
     """ms of the backward's phases (``only``: keys of PHASES, default all) on
     its first query chunk, times the number of chunks: {phase name: (ms,
-    chunk queries)}. Where the dq kernel writes the dkv rows itself, "dq
-    kernel" is that kernel and there is no rows kernel to time."""
+    chunk queries)}."""
     from hyscale_core.gpu.segments import key_segments
     from hyscale_core.ops.sparse_attention import gpu
 
     n, h, _ = q.shape
-    rows_as = gpu.dkv_rows_dtype(q, precise_dkv=False)
-    fused, passes = gpu.dq_writes_rows(q, rows_as), gpu.rows_per_slot(q, rows_as)
-    keys = [key for key in (only or list(PHASES)) if not (fused and key == "rows")]
+    keys = only or list(PHASES)
+    passes, rows_as = gpu.head_passes(h), gpu.dkv_rows_dtype(q, precise_dkv=False)
     defines, out16, dout16, lse32 = gpu.backward_operands(q, kv, out, lse, dout, D_V, scale)
     c = next(gpu.query_chunks(n, passes * idx.shape[1], rows_as))[1]
     part = slice(0, c)
     dq = cp.empty(q[part].shape, dtype=cp.uint16)
     operands = (q[part], kv, idx[part], out16[part], dout16[part], lse32[part], dq, scale, defines)
-    dq_kernel = gpu.dq_and_rows if fused else gpu.dq_and_images
-    phases = {"dq": lambda i: dq_kernel(*operands),
+    phases = {"dq": lambda i: gpu.dq_and_images(*operands),
               "sort": lambda i: key_segments(idx[part], cp.int32, kv.shape[0])}
-    if {"rows", "sums", "fill"} & set(keys):  # these start from a chunk's images or rows
-        written = dq_kernel(*operands)
-        rows = written if fused else gpu.dkv_rows(q[part], dout16[part], idx[part], written, scale, defines, rows_as)
+    if {"rows", "sums", "fill"} & set(keys):  # these start from a chunk's images and rows
+        images = gpu.dq_and_images(*operands)
+        rows = gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines, rows_as)
         dkv = cp.zeros(kv.shape, dtype=cp.float32)
-        phases.update(rows=lambda i: gpu.dkv_rows(q[part], dout16[part], idx[part], written, scale, defines, rows_as),
+        phases.update(rows=lambda i: gpu.dkv_rows(q[part], dout16[part], idx[part], images, scale, defines, rows_as),
                       sums=lambda i: gpu.add_rows_by_key(idx[part], rows, passes, dkv, defines),
                       fill=lambda i: rows.fill(0))
     return {PHASES[key]: (time_gpu(phases[key], repeats=repeats, warmup=1) * n / c, c) for key in keys}
@@ -163,10 +158,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
     if "torch fwd+bwd" in times:
         times["torch bwd"] = times.pop("torch fwd+bwd") - times["torch fwd"]
     phases = backward_phases(cp, q, kv, idx, out, lse, dout, scale, args.repeats, args.phases) if args.breakdown else {}
-    from hyscale_core.ops.sparse_attention import gpu
-
-    config = {"n": n, "h": h, "d_qk": D_QK, "d_v": D_V, "k": k, "dtype": "bfloat16",
-              "dq_rows_max_groups": gpu.DQ_ROWS_MAX_GROUPS}
+    config = {"n": n, "h": h, "d_qk": D_QK, "d_v": D_V, "k": k, "dtype": "bfloat16"}
     rows = []
     for name, ms in times.items():
         kind = "bwd" if "bwd" in name else ("fwd+probs" if "probs" in name else "fwd")
@@ -206,15 +198,8 @@ def main(argv=None) -> None:
                              "rows follow --max-peer-n)")
     parser.add_argument("--phases", nargs="+", default=None, choices=sorted(PHASES),
                         help="with --breakdown, only these phases (default: all)")
-    parser.add_argument("--dq-rows-max-groups", type=int, default=None,
-                        help="the dq kernel writes the bfloat16 dkv rows itself for up to this many groups of 64 "
-                             "heads (default: the library's DQ_ROWS_MAX_GROUPS; 0: always the rows kernel)")
     parser.add_argument("--out", default=None, help="folder of the results JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
-    from hyscale_core.ops.sparse_attention import gpu
-
-    if args.dq_rows_max_groups is not None:
-        gpu.DQ_ROWS_MAX_GROUPS = args.dq_rows_max_groups
     rates = {"flops": matmul_rate_tflops(torch) * 1e12, "bytes": copy_bandwidth_gbs() * 1e9}
     print(f"bf16 matmul {rates['flops'] / 1e12:.0f} TFLOP/s (8192^3), copy {rates['bytes'] / 1e9:.0f} GB/s",
           flush=True)

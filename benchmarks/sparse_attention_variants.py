@@ -22,11 +22,7 @@ the repository into one of:
   without its tensor products (logits, dp, ds kv), or without its gathers
   (the key tile holds whatever it held);
 - ``dq_no_images``: the dq kernel without the bulk stores of its ds and p'
-  images (the dkv rows that read them come out wrong);
-- ``dq_no_rows_products``, ``dq_no_rows``: the dq kernel that writes the
-  dkv rows (sa_backward_dq_rows) without their products and staging (it
-  stores whatever the key tile holds), or without the rows at all (dkv
-  comes out wrong either way).
+  images (the dkv rows that read them come out wrong).
 
 ``outputs`` runs the forward (out, lse, probs) and the backward (dq, dkv, with
 and without precise_dkv) of the tree it is run from on
@@ -87,21 +83,8 @@ _DQ_GATHERS = ["""        stage_key_row<0, 8>(kv_tile, kv, s_cur);""",
 _DQ_PRODUCTS = ["""        issue_rows32<0, 16>(s, q_tile, rows);
         issue_rows32<0, 16>(dp, do_tile, rows);""", """        issue_rows32<16, D / 16>(s, q_tile, rows);
         issue_rows32<16, DV / 16>(dp, do_tile, rows);""", """        add_ds_kv(acc, rope, ds_tile, kv_tile, ln);"""]
-_DQ_IMAGES = ["""        if (!ROWS && threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);"""]
-_DQ_ROWS = ["""            stage_dkv_rows(ds_tile, q_tile, do_tile, kv_tile, scale, ln);""",
-            """            if (threadIdx.x == 0) {
-                u16* block_rows = reinterpret_cast<u16*>(scratch) + (first_row + (size_t)b * BK) * D;
-                const int n = min(BK, k - b * BK), first = min(n, STAGE_SPLIT);
-                bulk_store(block_rows, kv_tile, (u32)first * D * 2);
-                if (n > first) {
-                    bulk_store(block_rows + (size_t)first * D, kv_tile + 4 * REGION, (u32)(n - first) * D * 2);
-                    bulk_wait_read<1>();  // the first part read: features 0..255 of the key tile are free
-                } else {
-                    bulk_wait_read();
-                }
-            }"""]
-VARIANTS = ("evict_last", "gathers_only", "products_only", "dq_gathers_only", "dq_products_only", "dq_no_images",
-            "dq_no_rows_products", "dq_no_rows")
+_DQ_IMAGES = ["""        if (threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);"""]
+VARIANTS = ("evict_last", "gathers_only", "products_only", "dq_gathers_only", "dq_products_only", "dq_no_images")
 
 
 def _replace(text: str, old: str, new: str, path: Path) -> str:
@@ -115,8 +98,7 @@ def patch(tree: Path, variant: str) -> None:
     the repository copy at ``tree`` into ``variant``."""
     kernel = tree / "cuda" / ("sparse_attention_bwd.cu" if variant.startswith("dq_") else "sparse_attention.cu")
     text = kernel.read_text()
-    cuts = {"dq_gathers_only": _DQ_PRODUCTS, "dq_products_only": _DQ_GATHERS, "dq_no_images": _DQ_IMAGES,
-            "dq_no_rows_products": _DQ_ROWS[:1], "dq_no_rows": _DQ_ROWS}
+    cuts = {"dq_gathers_only": _DQ_PRODUCTS, "dq_products_only": _DQ_GATHERS, "dq_no_images": _DQ_IMAGES}
     if variant in cuts:
         for old in cuts[variant]:
             text = _replace(text, old, "", kernel)

@@ -1,5 +1,5 @@
 // Sparse attention backward on tensor cores (layout: sparse_attention.cuh),
-// in kernels with no float atomics:
+// in three kernels with no float atomics:
 //
 // sa_backward_dq recomputes p = exp(logit - lse) and dp = dout v^T per block,
 // forms ds = p (dp - delta) (delta = rowsum(dout * out), made first; exactly
@@ -11,17 +11,9 @@
 // each slot's dkv row, scale * (ds^T q + p'^T dout) summed in float32 over up
 // to 128 heads (one or two head groups: one row per slot for h <= 128), into
 // a per-(query, head pass, slot) buffer of float32 or bfloat16 rows; a CTA
-// computes half of a row's columns.
-// sa_backward_dq_rows is sa_backward_dq that computes its head group's
-// bfloat16 dkv rows itself from the image in shared memory (no images in
-// memory, no rows kernel): one row per (query, head group, slot).
-// sa_dkv_segments_{f32,bf16} add the rows into a float32 dkv key by key in
-// ascending (query, slot, pass) order: bitwise reproducible.
-//
-// The rows' layout: [rows, 576], the 16-byte chunks of the row of slot i
-// XOR-swizzled in groups of eight by i (rows_chunk), so that the 64 rows of a
-// block can be staged in shared memory without bank conflicts and stored by
-// one bulk copy.
+// computes half of a row's columns. sa_dkv_segments_{f32,bf16} add those rows
+// into a float32 dkv key by key in ascending (query, slot, pass) order:
+// bitwise reproducible.
 #include "wgmma.cuh"
 #include "sparse_attention.cuh"
 #include "sync.cuh"
@@ -34,9 +26,6 @@ struct BwdShared {
     float lse2[BH];
     int key_min, key_max;
 };
-
-// Where 16-byte chunk `chunk` of a dkv row of slot `slot` sits in that row.
-__device__ __forceinline__ int rows_chunk(int slot, int chunk) { return (chunk & ~7) | ((chunk ^ slot) & 7); }
 
 // Whether every valid slot of query t selects one and the same key (one
 // valid slot, or copies of one key). Then p is constant under the logit, so
@@ -171,70 +160,21 @@ __device__ __forceinline__ void store_row(const float (&acc)[128], const float (
             store(DV + 8 * j + ln.cq, rope[4 * j + 2 * r] * scale, rope[4 * j + 2 * r + 1] * scale);
 }
 
-// Where the stage of a block's rows (sa_backward_dq_rows) holds the row of
-// slot s of the block: rows 0 .. STAGE_SPLIT - 1 before the key tile's
-// features 256.. (regions 4..8, at byte 32768), the rest from there on (past
-// the key tile by 512 bytes), so that the two parts are stored by two bulk
-// copies and the next block's features 0..255 are gathered once the first
-// has read its part.
-constexpr int STAGE_SPLIT = 4 * REGION / (D * 2);  // 28 rows of 1152 bytes
-__device__ __forceinline__ int stage_row_offset(int s) {
-    return s < STAGE_SPLIT ? s * D * 2 : 4 * REGION + (s - STAGE_SPLIT) * D * 2;
-}
+}  // namespace
 
-// This block's dkv rows, scale * (ds^T q + p'^T dout) over the CTA's 64
-// heads, from its image (ds, then p') and the q and dout tiles, as bfloat16
-// into `stage` (rows at stage_row_offset, each in the rows' layout: the block
-// starts at a multiple of 64 slots). The same products in the same order as
-// sa_backward_dkv_rows1_bf16's, in m64n64 pieces: warpgroup w takes features
-// 256 w .. 256 w + 255 in four, and both take the rope features 512..575 (ds
-// q only), which warpgroup 0 stages (one instruction stream, as add_ds_kv).
-// `stage` must be free once the first piece is done: the barrier after it
-// is where the caller's last reads of it (ds kv) end.
-__device__ __forceinline__ void stage_dkv_rows(const unsigned char* image, const unsigned char* q_tile,
-                                               const unsigned char* do_tile, unsigned char* stage, float scale,
-                                               const Lane& ln) {
-    float r[32];
-    #pragma unroll
-    for (int piece = 0; piece < 5; ++piece) {
-        const int region = piece < 4 ? 4 * ln.w + piece : DV / 64;
-        mma_begin(r);
-        #pragma unroll
-        for (int kk = 0; kk < BH / 16; ++kk) {
-            const u64 a_ds = wgmma_desc_mn(image + kk * K_STEP_ROWS, REGION);
-            wgmma_m64n64k16<F16, 1, 1>(r, a_ds, wgmma_desc_mn(q_tile + region * REGION + kk * K_STEP_ROWS, REGION),
-                                       kk > 0);
-            if (piece < 4)
-                wgmma_m64n64k16<F16, 1, 1>(r, wgmma_desc_mn(image + P_BYTES + kk * K_STEP_ROWS, REGION),
-                                           wgmma_desc_mn(do_tile + region * REGION + kk * K_STEP_ROWS, REGION), 1);
-        }
-        mma_end();
-        wgmma_fence_operands(r);
-        if (piece == 0) __syncthreads();  // both warpgroups' ds kv have read the key tile: it becomes the stage
-        if (piece == 4 && ln.w == 1) continue;
-        #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int slot = ln.row0 + 8 * half;
-            unsigned char* row = stage + stage_row_offset(slot);
-            #pragma unroll
-            for (int j = 0; j < 8; ++j)
-                *reinterpret_cast<u32*>(row + 16 * rows_chunk(slot, 8 * region + j) + 2 * ln.cq) =
-                    pack_half2<false>(r[4 * j + 2 * half] * scale, r[4 * j + 2 * half + 1] * scale);
-        }
-    }
-}
-
-// dq and the block images (ROWS false) or the dkv rows (ROWS true) of one
-// CTA: query t = blockIdx.x / groups, heads 64 g .. 64 g + 63.
-template <bool ROWS>
-__device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out,
-                                            const u16* dout, const float* lse, u16* dq, unsigned char* scratch,
-                                            int h, int k, float scale) {
+// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + KV_BYTES + IMAGE_BYTES
+// (the block's image: its ds tile, an operand of ds kv, then its p' tile).
+// Grid: C * groups CTAs over the chunk's queries (pointers start at its first
+// query). images: [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks
+// without a valid slot are not written.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout, const float* lse,
+               u16* dq, unsigned char* images, int h, int k, float scale) {
     __shared__ BwdShared sh;
     unsigned char* q_tile = aligned_dynamic_smem();
     unsigned char* do_tile = q_tile + Q_BYTES;
-    unsigned char* ds_tile = do_tile + DO_BYTES;
-    unsigned char* kv_tile = ds_tile + IMAGE_BYTES;
+    unsigned char* kv_tile = do_tile + DO_BYTES;
+    unsigned char* ds_tile = kv_tile + KV_BYTES;
     const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
     const int nb = (k + BK - 1) / BK;
     const Lane ln = lane_geometry();
@@ -244,8 +184,7 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
     cp_async_commit();
     row_stats(sh, out, dout, lse, t, g, h);
     const bool constant_p = one_key(sh, indices, t, k);
-    unsigned char* image = scratch + (size_t)blockIdx.x * nb * IMAGE_BYTES;
-    const size_t first_row = (size_t)blockIdx.x * k;  // ROWS: the row of slot 0
+    unsigned char* image = images + (size_t)blockIdx.x * nb * IMAGE_BYTES;
     float acc[128], rope[32];
     zero(acc);
     zero(rope);
@@ -256,10 +195,6 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
         // products start while features 256..575 land.
         stage_key_row<0, 8>(kv_tile, kv, s_cur);
         cp_async_commit();
-        if constexpr (ROWS) {  // the last block's second part of rows is read out of features 256..
-            if (threadIdx.x == 0) bulk_wait_read();
-            __syncthreads();
-        }
         stage_key_row<8, D / 32>(kv_tile, kv, s_cur);
         cp_async_commit();
         record_key(sh.idx[0], s_cur);
@@ -290,27 +225,10 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
         write_ds(s, dp, sh, sh.idx[0], ds_tile, sl2, 1.f / scale, constant_p, ln);
         fence_proxy_async();
         __syncthreads();
-        if (!ROWS && threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);
+        if (threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);
         add_ds_kv(acc, rope, ds_tile, kv_tile, ln);
-        if constexpr (ROWS) {
-            stage_dkv_rows(ds_tile, q_tile, do_tile, kv_tile, scale, ln);
-            fence_proxy_async();
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                u16* block_rows = reinterpret_cast<u16*>(scratch) + (first_row + (size_t)b * BK) * D;
-                const int n = min(BK, k - b * BK), first = min(n, STAGE_SPLIT);
-                bulk_store(block_rows, kv_tile, (u32)first * D * 2);
-                if (n > first) {
-                    bulk_store(block_rows + (size_t)first * D, kv_tile + 4 * REGION, (u32)(n - first) * D * 2);
-                    bulk_wait_read<1>();  // the first part read: features 0..255 of the key tile are free
-                } else {
-                    bulk_wait_read();
-                }
-            }
-        } else if (threadIdx.x == 0) {
-            bulk_wait_read();
-        }
-        __syncthreads();  // the kv tile's features 0..255 (ROWS) or all of it, and the image, are free
+        if (threadIdx.x == 0) bulk_wait_read();
+        __syncthreads();  // the kv tile and the image are free for the next block
     }
     cp_async_wait<0>();
     if (threadIdx.x == 0) bulk_wait();
@@ -323,34 +241,6 @@ __device__ __forceinline__ void backward_dq(const u16* q, const u16* kv, const i
             *reinterpret_cast<u32*>(dst + c) = pack_half2<F16>(a, v);
         });
     }
-}
-
-}  // namespace
-
-// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + IMAGE_BYTES + KV_BYTES +
-// 512 (the block's image: its ds tile, an operand of ds kv, then its p'
-// tile; the 512 bytes past the key tile hold the end of sa_backward_dq_rows'
-// stage).
-// Grid: C * groups CTAs over the chunk's queries (pointers start at its first
-// query). images: [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks
-// without a valid slot are not written.
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout, const float* lse,
-               u16* dq, unsigned char* images, int h, int k, float scale) {
-    backward_dq<false>(q, kv, indices, out, dout, lse, dq, images, h, k, scale);
-}
-
-// As sa_backward_dq (the same shared memory; the key tile is also the stage
-// of a block's rows), for bfloat16 data, with the dkv rows in place of the
-// images: rows [C * groups * k, 576] (u16 bits), row
-// (t * groups + g) * k + i = scale * (ds^T q + p'^T dout) of slot i of query t
-// over head group g, rounded once from float32 (sa_backward_dkv_rows1_bf16's
-// values for one group). Blocks without a valid slot, and slots past k, are
-// not written; slots of -1 in a written block are rows of zeros.
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-sa_backward_dq_rows(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout,
-                    const float* lse, u16* dq, u16* rows, int h, int k, float scale) {
-    backward_dq<true>(q, kv, indices, out, dout, lse, dq, reinterpret_cast<unsigned char*>(rows), h, k, scale);
 }
 
 namespace {
@@ -371,17 +261,15 @@ __device__ __forceinline__ void stage_head_columns(unsigned char* tile, const u1
 }
 
 // This warp's 16 rows of an m64n(8 J) accumulator, times `scale`, as Row
-// values (float32, or bfloat16 bits rounded once) to columns col0 .. col0 +
-// 8 J of rows[slot] (slot: the warp's rows 16 (warp % 4) ..; only slots whose
-// key is >= 0; rows[0] is the row of a slot that is a multiple of 64, col0 a
-// multiple of 128 bytes), through `stage` (2 KB of shared memory the warp
-// owns): in rounds of 128 bytes per row, the lanes write their pairs (16-byte
-// chunks XOR-swizzled by row as in the rows' layout, no bank conflicts) and
-// copy 16 bytes each from there to the same place in the row, so each store
-// instruction writes four whole 128-byte lines.
+// values (float32, or bfloat16 bits rounded once) to columns 0 .. 8 J of
+// rows[slot] (slot: the warp's rows 16 (warp % 4) ..; only slots whose key
+// is >= 0), through `stage` (2 KB of shared memory the warp owns): in rounds
+// of 128 bytes per row, the lanes write their pairs (16-byte chunks XOR-
+// swizzled by row, no bank conflicts) and read back 16 bytes each, so each
+// store instruction writes four whole 128-byte lines.
 template <int J, typename Row>
 __device__ __forceinline__ void store_rows(const float (&acc)[4 * J], float scale, unsigned char* stage, Row* rows,
-                                           int col0, const int* idx, const Lane& ln) {
+                                           const int* idx, const Lane& ln) {
     constexpr int BLOCKS = 128 / (8 * (int)sizeof(Row));  // column blocks of 8 per round
     const int lane = threadIdx.x & 31, first_slot = 16 * ((threadIdx.x >> 5) & 3);
     bool keep[4];  // whether the slot of this lane's i-th store holds a key
@@ -406,9 +294,9 @@ __device__ __forceinline__ void store_rows(const float (&acc)[4 * J], float scal
         __syncwarp();
         #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int row = 4 * i + (lane >> 3), at = lane & 7, slot = first_slot + row;  // slot = row mod 8
-            const uint4 v = *reinterpret_cast<const uint4*>(stage + row * 128 + (at << 4));
-            if (keep[i]) reinterpret_cast<uint4*>(rows + (size_t)slot * D + col0 + 8 * j0)[at] = v;
+            const int row = 4 * i + (lane >> 3), chunk = lane & 7, slot = first_slot + row;
+            const uint4 v = *reinterpret_cast<const uint4*>(stage + row * 128 + (((chunk ^ row) & 7) << 4));
+            if (keep[i]) reinterpret_cast<uint4*>(rows + (size_t)slot * D + 8 * j0)[chunk] = v;
         }
         __syncwarp();
     }
@@ -484,8 +372,8 @@ __device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, con
         __syncthreads();  // both warpgroups' products have read the block's images: they become the stores' stage
         unsigned char* store_stage = block_images + (threadIdx.x >> 5) * 2048;
         Row* block_rows = query_rows + (size_t)b * BK * D;
-        store_rows<16>(acc, scale, store_stage, block_rows, FIRST + ln.w * 128, idx[b & 1], ln);
-        if (HALF && ln.w == 1) store_rows<8>(rope, scale, store_stage, block_rows, DV, idx[b & 1], ln);
+        store_rows<16>(acc, scale, store_stage, block_rows + FIRST + ln.w * 128, idx[b & 1], ln);
+        if (HALF && ln.w == 1) store_rows<8>(rope, scale, store_stage, block_rows + DV, idx[b & 1], ln);
     }
     cp_async_wait<0>();
 }
@@ -517,13 +405,11 @@ HS_DKV_ROWS(2, u16, sa_backward_dkv_rows2_bf16)
 
 namespace {
 
-// Values 4 c .. 4 c + 3 of `row`, a row of slot `slot` in the rows' layout: float32, or bfloat16 bits.
-__device__ __forceinline__ float4 load4(const float* row, int slot, int c) {
-    return reinterpret_cast<const float4*>(row)[rows_chunk(slot, c)];
-}
+// Four consecutive values of a row: float32, or bfloat16 bits.
+__device__ __forceinline__ float4 load4(const float* row, int c) { return reinterpret_cast<const float4*>(row)[c]; }
 
-__device__ __forceinline__ float4 load4(const u16* row, int slot, int c) {
-    const uint2 v = reinterpret_cast<const uint2*>(row)[2 * rows_chunk(slot, c >> 1) + (c & 1)];
+__device__ __forceinline__ float4 load4(const u16* row, int c) {
+    const uint2 v = reinterpret_cast<const uint2*>(row)[c];
     return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
                        __uint_as_float(v.y & 0xFFFF0000u));
 }
@@ -539,7 +425,7 @@ template <typename Row>
 __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, int k, int passes,
                                              float* dkv) {
     constexpr int LOADS = sizeof(Row) == 4 ? 4 : 8, BATCH = D / 4;
-    __shared__ int row_of[BATCH], slot_of[BATCH];
+    __shared__ int row_of[BATCH];
     const int s = blockIdx.x, c = threadIdx.x;
     const int first = starts[s], terms = (starts[s + 1] - first) * passes;
     if (terms == 0) return;  // a key no slot selected
@@ -550,18 +436,15 @@ __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, 
         __syncthreads();  // the previous batch's row numbers are read
         if (c < n) {
             const int u = base + c, pair = pairs[first + u / passes];
-            const int t = pair / k;
+            const int t = passes == 1 ? 0 : pair / k;  // one pass: the row is the pair
             row_of[c] = pair + t * (passes - 1) * k + (u % passes) * k;
-            slot_of[c] = pair - t * k;
         }
         __syncthreads();
         for (int j0 = 0; j0 < n; j0 += LOADS) {
             float4 v[LOADS];
             #pragma unroll
-            for (int j = 0; j < LOADS; ++j) {  // past the batch: a repeat, loaded but not added
-                const int e = min(j0 + j, n - 1);
-                v[j] = load4(rows + (size_t)row_of[e] * D, slot_of[e], c);
-            }
+            for (int j = 0; j < LOADS; ++j)  // past the batch: a repeat, loaded but not added
+                v[j] = load4(rows + (size_t)row_of[min(j0 + j, n - 1)] * D, c);
             #pragma unroll
             for (int j = 0; j < LOADS; ++j) {
                 if (j0 + j < n) {

@@ -53,11 +53,8 @@ __device__ __forceinline__ void bulk_store(void* gmem, const void* smem, u32 byt
                  : "memory");
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// Until all but the newest N of this thread's bulk stores have read their shared source.
-template <int N = 0>
-__device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-}
+// Until this thread's bulk stores have read their shared source.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Until this thread's bulk stores are complete (written to global memory).
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 

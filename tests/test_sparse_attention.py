@@ -622,41 +622,6 @@ def test_kernels_are_bitwise_reproducible_and_chunk_invariant(kernels, monkeypat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h, k", [(1, 65), (16, 7), (64, 63), (64, 300), (64, 2048)])
-def test_kernels_dq_rows_match_the_rows_kernel(kernels, monkeypatch, h, k):
-    """With bfloat16 rows and h <= 64 the dq kernel computes the dkv rows itself
-    (sa_backward_dq_rows), the rows kernel's values: dq and dkv have the same
-    bits as through the images and the rows kernel, on -1 slots, a row without
-    keys, a row with one key in half its slots, and a last block of 1, 7, 63,
-    44 or 64 slots."""
-    import cupy
-
-    rng = np.random.default_rng(24)
-    q, kv, indices = make_inputs(rng, 5, h, k, 3 * k + 10, dtype=bfloat16, skip=0.1)
-    indices[1] = -1
-    indices[2, : k // 2 + 1] = 5
-    dout = rng.standard_normal((5, h, D_V)).astype(bfloat16)
-    args = on("gpu", q, kv, indices)
-    fwd = hs.sparse_attention(*args)
-    assert kernels.dq_writes_rows(args[0], cupy.uint16)
-    fused = hs.sparse_attention_backward(*args, *fwd, *on("gpu", dout))
-    check_backward("gpu", q, kv, indices)
-    monkeypatch.setattr(kernels, "DQ_ROWS_MAX_GROUPS", 0)
-    assert not kernels.dq_writes_rows(args[0], cupy.uint16)
-    split = hs.sparse_attention_backward(*args, *fwd, *on("gpu", dout))
-    assert same_bits(fused[0], split[0]) and same_bits(fused[1], split[1])
-
-
-@pytest.mark.gpu
-def test_kernels_dq_rows_of_two_head_groups_within_twice_naive_error(kernels, monkeypatch):
-    """The dq kernel's rows for h = 128 (two rows per slot, one per head group,
-    added by the per-key sums), where the default sums both groups in one row."""
-    monkeypatch.setattr(kernels, "DQ_ROWS_MAX_GROUPS", 2)
-    check_backward("gpu", *_grid_inputs(128, 2048, bfloat16))
-    check_backward("gpu", *_grid_inputs(100, 7, bfloat16))
-
-
-@pytest.mark.gpu
 def test_kernels_empty_selections(kernels):
     q, kv, _ = make_inputs(np.random.default_rng(23), 3, 16, 1, 4, dtype=bfloat16)
     dout = np.ones((3, 16, D_V), bfloat16)

@@ -39,17 +39,12 @@ block of 64 slots):
   of float32; ``precise_dkv`` keeps them float32) and float32 for float16
   inputs. Bitwise reproducible, and independent of the query chunking
   (``ROWS_BYTES``), since each key's running sum sees the same sequence of
-  adds. With bfloat16 rows and h <= 64 (``DQ_ROWS_MAX_GROUPS`` head
-  groups) the dq kernel computes the rows itself from the ds and p tiles it
-  holds and stores them (the same values); otherwise it stores those tiles
-  (the images) and a rows kernel reads them back and sums up to 128 heads
-  per row. A chunk's rows kernel and sums run on a second stream while the
+  adds. A chunk's dkv rows and sums run on a second stream while the
   current stream runs the next chunk's dq kernel (``OVERLAP_CHUNKS``; the
-  same bits either way; two chunks' images or rows held). Their scratch
-  (the rows, up to ``ROWS_BYTES``, unless the dq kernel wrote them, and the
-  key table) is allocated on that stream, and CuPy's stream-aware pool
-  keeps freed blocks for the stream that freed them: after a backward the
-  pool holds them for the next one, and
+  same bits either way; two chunks' images held). Their scratch (the rows,
+  up to ``ROWS_BYTES``, and the key table) is allocated on that stream, and
+  CuPy's stream-aware pool keeps freed blocks for the stream that freed
+  them: after a backward the pool holds them for the next one, and
   ``cupy.get_default_memory_pool().free_all_blocks()`` gives them back.
 """
 from __future__ import annotations
@@ -69,14 +64,13 @@ HEADS_PER_CTA, SLOTS_PER_BLOCK, THREADS = 64, 64, 256
 _TILE = 64 * 128  # one 64-row region of a swizzled tile, bytes
 IMAGE_BYTES = 2 * _TILE  # a block's ds and p' tiles
 SMEM_FORWARD = 1024 + 9 * _TILE + 2 * 9 * _TILE + _TILE  # q, two key blocks, a p tile (probs: per-warp sums)
-SMEM_DQ = 1024 + 9 * _TILE + 8 * _TILE + IMAGE_BYTES + 9 * _TILE + 512  # q, dout, a block's image, its keys
+SMEM_DQ = 1024 + 9 * _TILE + 8 * _TILE + 9 * _TILE + IMAGE_BYTES  # q, dout, a key block, its image
 GROUPS_PER_PASS = 2  # head groups one dkv-rows pass sums (its K: up to 128 heads)
 SMEM_DKV_ROWS = {gp: 1024 + 13 * gp * _TILE for gp in (1, 2)}  # q and dout columns of a half, 2 blocks of images
 
 ROWS_BYTES = 4 << 30  # bytes of the backward's dkv rows per query chunk
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
 OVERLAP_CHUNKS = True  # the backward's dkv rows and sums on a second stream, beside the next chunk's dq kernel
-DQ_ROWS_MAX_GROUPS = 1  # bfloat16 rows: the dq kernel writes them itself for up to this many head groups
 
 
 def _defines(q, kv, d_v: int, scale: float) -> tuple[str, ...] | None:
@@ -181,33 +175,6 @@ def dq_and_images(q, kv, indices, out, dout, lse, dq, scale: float, defines: tup
     return images
 
 
-def dq_and_rows(q, kv, indices, out, dout, lse, dq, scale: float, defines: tuple[str, ...]):
-    """sa_backward_dq_rows on a chunk of queries (bfloat16 q, out, dout; float32 lse):
-    writes dq [C, h, 576] (uint16 bits) and returns the dkv rows [C * groups * k,
-    576] (uint16 holding bfloat16 bits): row (t * groups + g) * k + i = the dkv
-    contribution of slot i of query t from head group g (heads 64 g .. 64 g + 63)."""
-    cp = cupy_module()
-    (n, h, _), k = q.shape, indices.shape[1]
-    ctas = n * _groups(h)
-    rows = cp.empty((ctas * k, D_QK), dtype=cp.uint16)
-    _kernel("sa_backward_dq_rows", SMEM_DQ, defines)(
-        (ctas,), (THREADS,), (_bits(q), _bits(kv), indices, _bits(out), _bits(dout), lse, dq, rows, np.int32(h),
-                              np.int32(k), np.float32(scale)), shared_mem=SMEM_DQ)
-    return rows
-
-
-def dq_writes_rows(q, rows_as) -> bool:
-    """Whether the backward's dq kernel computes the dkv rows itself (``dq_and_rows``: one
-    row per slot and head group, no images) rather than a rows kernel after it
-    (``dq_and_images``, ``dkv_rows``: one row per slot and head pass)."""
-    return rows_as == cupy_module().uint16 and _groups(q.shape[1]) <= DQ_ROWS_MAX_GROUPS
-
-
-def rows_per_slot(q, rows_as) -> int:
-    """dkv rows per selected slot: one per head group where the dq kernel writes them, else one per head pass."""
-    return _groups(q.shape[1]) if dq_writes_rows(q, rows_as) else head_passes(q.shape[1])
-
-
 def _row_suffix(rows) -> str:
     return "bf16" if rows.dtype == cupy_module().uint16 else "f32"
 
@@ -233,8 +200,7 @@ def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...], r
 def add_rows_by_key(indices, rows, passes: int, dkv, defines: tuple[str, ...]) -> None:
     """dkv[s] += every row of the chunk whose slot selected key s, in ascending
     (query, slot, pass) order, in float32. indices int32 [C, k]; rows [C * passes * k, 576]
-    as ``dkv_rows`` or ``dq_and_rows`` make them (``passes``: rows per slot, the head
-    passes or head groups)."""
+    as ``dkv_rows`` makes them."""
     n_keys = dkv.shape[0]
     if n_keys == 0 or indices.size == 0:
         return
@@ -279,33 +245,30 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
         return gpu_fallback.sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale)
     defines, out16, dout16, lse32 = operands
     cp = cupy_module()
-    rows_as = dkv_rows_dtype(q, precise_dkv)
-    fused, passes = dq_writes_rows(q, rows_as), rows_per_slot(q, rows_as)
+    passes, rows_as = head_passes(q.shape[1]), dkv_rows_dtype(q, precise_dkv)
     dq = cp.empty(q.shape, dtype=cp.uint16)
     if POISON_OUTPUTS:
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
     main = cp.cuda.get_current_stream()
     side = _side_stream(cp) if OVERLAP_CHUNKS else main
-    # Chunk c's dkv rows (unless its dq kernel wrote them) and sums run on
-    # `side` after its dq kernel, beside chunk c + 1's dq kernel on `main`.
-    # The sums keep their order (one stream), so dkv is the same as on one
-    # stream. in_flight holds what `side` still reads that `main` wrote (at
-    # most two chunks' images or rows), each with the event after which
-    # `main` may reuse its memory.
+    # Chunk c's dkv rows and sums run on `side` after its dq kernel, beside
+    # chunk c + 1's dq kernel on `main`. The sums keep their order (one
+    # stream), so dkv is the same as on one stream. in_flight holds the images
+    # `side` still reads (at most two chunks'), each with the event after
+    # which `main` may reuse its memory.
     in_flight = []
     for t0, t1 in query_chunks(q.shape[0], passes * indices.shape[1], rows_as):
         if len(in_flight) == 2:
-            main.wait_event(in_flight.pop(0)[0])  # the scratch of two chunks back is free after this
+            main.wait_event(in_flight.pop(0)[0])  # the images of two chunks back are free after this
         chunk = slice(t0, t1)
-        operands = (q[chunk], kv, indices[chunk], out16[chunk], dout16[chunk], lse32[chunk], dq[chunk], scale, defines)
-        written = dq_and_rows(*operands) if fused else dq_and_images(*operands)
+        images = dq_and_images(q[chunk], kv, indices[chunk], out16[chunk], dout16[chunk], lse32[chunk], dq[chunk],
+                               scale, defines)
         side.wait_event(main.record())
         with side:
-            rows = written if fused else dkv_rows(q[chunk], dout16[chunk], indices[chunk], written, scale, defines,
-                                                  rows_as)
+            rows = dkv_rows(q[chunk], dout16[chunk], indices[chunk], images, scale, defines, rows_as)
             add_rows_by_key(indices[chunk], rows, passes, dkv, defines)
-            in_flight.append((side.record(), written))
-        del rows, written
+            in_flight.append((side.record(), images))
+        del rows, images
     main.wait_event(side.record())
     return dq.view(q.dtype), narrow(dkv, kv.dtype)
