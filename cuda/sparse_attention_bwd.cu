@@ -26,7 +26,6 @@ struct BwdShared {
     float lse2[BH];
     int key_min, key_max;
 };
-static_assert(sizeof(BwdShared) == 1040, "hyscale_core/ops/sparse_attention/gpu.py's SMEM_DQ counts 1040 bytes for it");
 
 // Whether every valid slot of query t selects one and the same key (one
 // valid slot, or copies of one key). Then p is constant under the logit, so
@@ -163,24 +162,19 @@ __device__ __forceinline__ void store_row(const float (&acc)[128], const float (
 
 }  // namespace
 
-// Dynamic shared memory: Q_BYTES + DO_BYTES + KV_BYTES + IMAGE_BYTES +
-// sizeof(BwdShared), plus 1024 where the dynamic shared memory does not start
-// on a 1024-byte boundary (sa_dynamic_smem_offset says; the kernel has no
-// static shared memory). The block's image is its ds tile, an operand of ds
-// kv, then its p' tile. At most 232 registers: with no static shared memory,
-// a CTA of sa_dkv_segments_bf16 (the previous chunk's per-key sums, on the
-// other stream) fits on the SM beside it.
+// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + KV_BYTES + IMAGE_BYTES
+// (the block's image: its ds tile, an operand of ds kv, then its p' tile).
 // Grid: C * groups CTAs over the chunk's queries (pointers start at its first
 // query). images: [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks
 // without a valid slot are not written.
-extern "C" __global__ void __maxnreg__(232)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout, const float* lse,
                u16* dq, unsigned char* images, int h, int k, float scale) {
+    __shared__ BwdShared sh;
     unsigned char* q_tile = aligned_dynamic_smem();
     unsigned char* do_tile = q_tile + Q_BYTES;
     unsigned char* kv_tile = do_tile + DO_BYTES;
     unsigned char* ds_tile = kv_tile + KV_BYTES;
-    BwdShared& sh = *reinterpret_cast<BwdShared*>(ds_tile + IMAGE_BYTES);
     const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
     const int nb = (k + BK - 1) / BK;
     const Lane ln = lane_geometry();
@@ -247,13 +241,6 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
             *reinterpret_cast<u32*>(dst + c) = pack_half2<F16>(a, v);
         });
     }
-}
-
-// out[0] = the offset of the dynamic shared memory from a 1024-byte boundary,
-// in a kernel without static shared memory (as sa_backward_dq). One thread.
-extern "C" __global__ void sa_dynamic_smem_offset(int* out) {
-    extern __shared__ __align__(16) unsigned char dynamic_smem[];
-    out[0] = (int)(smem_addr(dynamic_smem) & 1023);
 }
 
 namespace {
@@ -418,49 +405,32 @@ HS_DKV_ROWS(2, u16, sa_backward_dkv_rows2_bf16)
 
 namespace {
 
-// One 16-byte chunk of a row as floats: 4 float32 values, or 8 bfloat16.
-__device__ __forceinline__ void load_chunk(const float* row, int c, float (&v)[4]) {
-    const float4 x = reinterpret_cast<const float4*>(row)[c];
-    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
-}
+// Four consecutive values of a row: float32, or bfloat16 bits.
+__device__ __forceinline__ float4 load4(const float* row, int c) { return reinterpret_cast<const float4*>(row)[c]; }
 
-__device__ __forceinline__ void load_chunk(const u16* row, int c, float (&v)[8]) {
-    const uint4 x = reinterpret_cast<const uint4*>(row)[c];
-    const u32 w[4] = {x.x, x.y, x.z, x.w};
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-    }
+__device__ __forceinline__ float4 load4(const u16* row, int c) {
+    const uint2 v = reinterpret_cast<const uint2*>(row)[c];
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xFFFF0000u));
 }
-
-// Threads of a per-key sums CTA: one 16-byte chunk of each row per thread.
-template <typename Row>
-__host__ __device__ constexpr int segment_threads() { return D * (int)sizeof(Row) / 16; }
 
 // dkv[s, :] += the rows of key s's pairs, pairs[starts[s]] .. pairs[starts[s +
 // 1] - 1] one after another: pair e is pairs[e] = t * k + i < 2^31 (query t
 // of the chunk, slot i); its rows (t * passes + p) * k + i, p ascending,
-// follow each other. One CTA of segment_threads threads per key, each adding
-// one 16-byte chunk of every row (4 columns of float32 rows, 8 of bfloat16).
-// The CTA turns a batch of pairs (one per thread) into row numbers in
-// shared memory, then each thread keeps LOADS rows in flight and adds them in
-// order into float32; no atomics.
+// follow each other. One CTA of D / 4 threads per key (4 columns each). The
+// CTA turns D / 4 pairs at a time into row numbers in shared memory, then
+// each thread keeps LOADS rows in flight (16 bytes each for float32 rows, 8
+// for bfloat16) and adds them in order into float32; no atomics.
 template <typename Row>
 __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, int k, int passes,
                                              float* dkv) {
-    constexpr int V = 16 / (int)sizeof(Row), LOADS = V == 4 ? 4 : 8, BATCH = segment_threads<Row>();
+    constexpr int LOADS = sizeof(Row) == 4 ? 4 : 8, BATCH = D / 4;
     __shared__ int row_of[BATCH];
     const int s = blockIdx.x, c = threadIdx.x;
     const int first = starts[s], terms = (starts[s + 1] - first) * passes;
     if (terms == 0) return;  // a key no slot selected
-    float4* dst = reinterpret_cast<float4*>(dkv + (size_t)s * D + V * c);
-    float acc[V];
-    #pragma unroll
-    for (int i = 0; i < V / 4; ++i) {
-        const float4 x = dst[i];
-        acc[4 * i] = x.x, acc[4 * i + 1] = x.y, acc[4 * i + 2] = x.z, acc[4 * i + 3] = x.w;
-    }
+    float4* dst = reinterpret_cast<float4*>(dkv) + (size_t)s * (D / 4) + c;
+    float4 acc = *dst;
     for (int base = 0; base < terms; base += BATCH) {
         const int n = min(BATCH, terms - base);
         __syncthreads();  // the previous batch's row numbers are read
@@ -471,32 +441,32 @@ __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, 
         }
         __syncthreads();
         for (int j0 = 0; j0 < n; j0 += LOADS) {
-            float v[LOADS][V];
+            float4 v[LOADS];
             #pragma unroll
             for (int j = 0; j < LOADS; ++j)  // past the batch: a repeat, loaded but not added
-                load_chunk(rows + (size_t)row_of[min(j0 + j, n - 1)] * D, c, v[j]);
+                v[j] = load4(rows + (size_t)row_of[min(j0 + j, n - 1)] * D, c);
             #pragma unroll
-            for (int j = 0; j < LOADS; ++j)
-                if (j0 + j < n)
-                    #pragma unroll
-                    for (int i = 0; i < V; ++i) acc[i] += v[j][i];
+            for (int j = 0; j < LOADS; ++j) {
+                if (j0 + j < n) {
+                    acc.x += v[j].x;
+                    acc.y += v[j].y;
+                    acc.z += v[j].z;
+                    acc.w += v[j].w;
+                }
+            }
         }
     }
-    #pragma unroll
-    for (int i = 0; i < V / 4; ++i) dst[i] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+    *dst = acc;
 }
 
 }  // namespace
 
-// Grid: one CTA per key of segment_threads<float>() (144) threads.
 extern "C" __global__ void __launch_bounds__(D / 4, 8)
 sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, int k, int passes, float* dkv) {
     dkv_segments(rows, pairs, starts, k, passes, dkv);
 }
 
-// Grid: one CTA per key of segment_threads<u16>() (72) threads. At most 64
-// registers, so that a CTA fits on an SM beside one of sa_backward_dq.
-extern "C" __global__ void __maxnreg__(64)
+extern "C" __global__ void __launch_bounds__(D / 4, 8)
 sa_dkv_segments_bf16(const u16* rows, const int* pairs, const int* starts, int k, int passes, float* dkv) {
     dkv_segments(rows, pairs, starts, k, passes, dkv);
 }

@@ -622,22 +622,6 @@ def test_kernels_are_bitwise_reproducible_and_chunk_invariant(kernels, monkeypat
 
 
 @pytest.mark.gpu
-def test_dq_kernel_leaves_room_for_a_sums_cta(kernels):
-    """sa_backward_dq's dynamic shared memory starts on a 1024-byte boundary on
-    this device, or takes 1024 bytes more to get there; without them, one CTA
-    of the bfloat16 per-key sums (288 bytes of static shared memory) fits on
-    the SM beside it (1 KB reserved per CTA)."""
-    import cupy
-
-    defines = ("HS_SA_F16=0",)
-    smem = kernels.dq_smem_bytes(defines)
-    assert smem in (kernels.SMEM_DQ, kernels.SMEM_DQ + 1024)
-    per_sm = cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
-    if smem == kernels.SMEM_DQ:
-        assert smem + 1024 + 288 + 1024 <= per_sm
-
-
-@pytest.mark.gpu
 def test_kernels_empty_selections(kernels):
     q, kv, _ = make_inputs(np.random.default_rng(23), 3, 16, 1, 4, dtype=bfloat16)
     dout = np.ones((3, 16, D_V), bfloat16)

@@ -95,28 +95,22 @@ def _load(name: str, device_id: int, defines: tuple[str, ...]):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(module: str, name: str, device_id: int, defines: tuple[str, ...], dynamic_smem: int,
-            max_shared: bool):
+def _kernel(module: str, name: str, device_id: int, defines: tuple[str, ...], dynamic_smem: int):
     kernel = _load(module, device_id, defines).get_function(name)
     if dynamic_smem > 0:
         kernel.max_dynamic_shared_size_bytes = dynamic_smem
-    if max_shared:
-        kernel.preferred_shared_memory_carveout = 100
     return kernel
 
 
-def get_kernel(module: str, name: str, dynamic_smem: int = 0, defines: tuple[str, ...] = (),
-               max_shared: bool = False):
+def get_kernel(module: str, name: str, dynamic_smem: int = 0, defines: tuple[str, ...] = ()):
     """Kernel ``name`` of ``cuda/<module>.cu`` on the current device.
 
     ``defines`` (``"NAME=VALUE"``) select what the translation unit builds;
     each distinct set is compiled once. The kernel may use ``dynamic_smem``
     bytes of dynamic shared memory (its limit is raised to that).
-    ``max_shared``: the kernel prefers the largest shared-memory carveout, so
-    that its CTAs can share an SM with those of a kernel that needs it.
     """
     cp = cupy_module()
-    return _kernel(module, name, cp.cuda.Device().id, tuple(defines), int(dynamic_smem), bool(max_shared))
+    return _kernel(module, name, cp.cuda.Device().id, tuple(defines), int(dynamic_smem))
 
 
 @functools.lru_cache(maxsize=None)

@@ -49,8 +49,6 @@ block of 64 slots):
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from ..._backend import cupy_module
@@ -66,9 +64,7 @@ HEADS_PER_CTA, SLOTS_PER_BLOCK, THREADS = 64, 64, 256
 _TILE = 64 * 128  # one 64-row region of a swizzled tile, bytes
 IMAGE_BYTES = 2 * _TILE  # a block's ds and p' tiles
 SMEM_FORWARD = 1024 + 9 * _TILE + 2 * 9 * _TILE + _TILE  # q, two key blocks, a p tile (probs: per-warp sums)
-# sa_backward_dq: q, dout, a key block, its image and 1040 bytes of BwdShared, plus 1024 bytes of alignment
-# slack where the device's dynamic shared memory does not start on a 1024-byte boundary (dq_smem_bytes)
-SMEM_DQ = 9 * _TILE + 8 * _TILE + 9 * _TILE + IMAGE_BYTES + 1040
+SMEM_DQ = 1024 + 9 * _TILE + 8 * _TILE + 9 * _TILE + IMAGE_BYTES  # q, dout, a key block, its image
 GROUPS_PER_PASS = 2  # head groups one dkv-rows pass sums (its K: up to 128 heads)
 SMEM_DKV_ROWS = {gp: 1024 + 13 * gp * _TILE for gp in (1, 2)}  # q and dout columns of a half, 2 blocks of images
 
@@ -166,23 +162,6 @@ def query_chunks(n: int, rows_per_query: int, row_dtype):
         yield t0, min(n, t0 + step)
 
 
-@functools.lru_cache(maxsize=None)
-def _dynamic_smem_offset(device_id: int, defines: tuple[str, ...]) -> int:
-    cp = cupy_module()
-    out = cp.full(1, -1, dtype=cp.int32)
-    _kernel("sa_dynamic_smem_offset", 16, defines)((1,), (1,), (out,), shared_mem=16)
-    return int(out.get()[0])
-
-
-def dq_smem_bytes(defines: tuple[str, ...]) -> int:
-    """Dynamic shared memory of sa_backward_dq on the current device: SMEM_DQ,
-    plus 1024 bytes where the dynamic shared memory does not start on a
-    1024-byte boundary (asked of the device once per process). Without them
-    a CTA of the per-key sums fits on the SM beside it."""
-    offset = _dynamic_smem_offset(cupy_module().cuda.Device().id, defines)
-    return SMEM_DQ + (0 if offset == 0 else 1024)
-
-
 def dq_and_images(q, kv, indices, out, dout, lse, dq, scale: float, defines: tuple[str, ...]):
     """sa_backward_dq on a chunk of queries (16-bit q, out, dout; float32 lse):
     writes dq [C, h, 576] (uint16 bits) and returns the ds / p' images (uint8)."""
@@ -190,10 +169,9 @@ def dq_and_images(q, kv, indices, out, dout, lse, dq, scale: float, defines: tup
     (n, h, _), k = q.shape, indices.shape[1]
     ctas = n * _groups(h)
     images = cp.empty(ctas * -(-k // SLOTS_PER_BLOCK) * IMAGE_BYTES, dtype=cp.uint8)
-    smem = dq_smem_bytes(defines)
-    _kernel("sa_backward_dq", smem, defines)(
+    _kernel("sa_backward_dq", SMEM_DQ, defines)(
         (ctas,), (THREADS,), (_bits(q), _bits(kv), indices, _bits(out), _bits(dout), lse, dq, images, np.int32(h),
-                              np.int32(k), np.float32(scale)), shared_mem=smem)
+                              np.int32(k), np.float32(scale)), shared_mem=SMEM_DQ)
     return images
 
 
@@ -228,9 +206,8 @@ def add_rows_by_key(indices, rows, passes: int, dkv, defines: tuple[str, ...]) -
         return
     pairs, starts = key_segments(indices, cupy_module().int32, n_keys)
     k = indices.shape[1]
-    bf16 = _row_suffix(rows) == "bf16"  # its CTAs fit beside sa_backward_dq's, in the same carveout
-    get_kernel("sparse_attention_bwd", f"sa_dkv_segments_{_row_suffix(rows)}", 0, defines, max_shared=bf16)(
-        (n_keys,), (D_QK * rows.itemsize // 16,), (rows, pairs, starts, np.int32(k), np.int32(passes), dkv))
+    _kernel(f"sa_dkv_segments_{_row_suffix(rows)}", 0, defines)(
+        (n_keys,), (D_QK // 4,), (rows, pairs, starts, np.int32(k), np.int32(passes), dkv))
 
 
 def dkv_rows_dtype(q, precise_dkv: bool):
