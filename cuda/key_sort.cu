@@ -11,6 +11,8 @@
 //     tile, so equal digits keep their order and every pass is stable.
 //     values == nullptr (the first pass) takes an entry's position in the
 //     table as its value. The kept entries fill the front of the outputs.
+//     A tile is first ordered by digit in shared memory, so that each run of
+//     one digit is written to consecutive places by consecutive threads.
 // No float and no atomic decides an order: the output is the same on every run.
 #include "select.cuh"
 
@@ -63,40 +65,69 @@ extern "C" __global__ void __launch_bounds__(THREADS) ks_digit_offsets(int* coun
 }
 
 // offsets and totals: ks_digit_offsets' results. Writes every entry >= 0 of
-// keys_in, with its value, to keys_out / values_out at its place.
+// keys_in, with its value, to keys_out / values_out at its place. Warp w ranks
+// the tile's entries w * SPAN .. (w + 1) * SPAN - 1 in order, counting each
+// digit's entries in its own row of shared counters (no CTA barrier per
+// round); the rows then become each warp's start per digit within the tile's
+// digit-ordered copy in shared memory, which the CTA writes out in order.
 extern "C" __global__ void __launch_bounds__(THREADS)
 ks_scatter(const int* keys_in, const int* values_in, long long n, int shift, int n_tiles, const int* offsets,
            const int* totals, int* keys_out, int* values_out) {
-    __shared__ int next_place[THREADS];         // per digit: where the tile's next entry of it goes
-    __shared__ int warp_counts[WARPS][THREADS];  // per round: each warp's entries of each digit
+    constexpr int SPAN = TILE / WARPS;        // entries a warp ranks
+    constexpr int STEPS = SPAN / 32;          // of 32 entries, one per lane
+    __shared__ int warp_next[WARPS][THREADS];  // per warp and digit: its next entry's rank in the tile
+    __shared__ int tile_start[THREADS];        // per digit: its first rank in the tile
+    __shared__ int place_of_start[THREADS];    // per digit: the output place of that rank
+    __shared__ int sorted_keys[TILE], sorted_values[TILE];
     __shared__ u32 scratch[MAX_WARPS + 1];
-    const int lane = lane_id(), warp = warp_id(), d = threadIdx.x;
-    u32 all;
+    const int lane = lane_id(), warp = warp_id(), d = threadIdx.x, tile = blockIdx.x;
+    const long long at = (long long)d * n_tiles + tile;
+    const int count = (tile + 1 < n_tiles ? offsets[at + 1] : totals[d]) - offsets[at];  // digit d in this tile
+    u32 all, kept;
     const u32 smaller_digits = block_exclusive_sum((u32)totals[d], scratch, &all);
-    next_place[d] = (int)smaller_digits + offsets[(long long)d * n_tiles + blockIdx.x];
-    for (int w = 0; w < WARPS; ++w) warp_counts[w][d] = 0;
+    const u32 start = block_exclusive_sum((u32)count, scratch, &kept);
+    tile_start[d] = (int)start;
+    place_of_start[d] = (int)smaller_digits + offsets[at];
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) warp_next[w][d] = 0;
     __syncthreads();
-    const long long base = (long long)blockIdx.x * TILE;
-    for (int r = 0; r < ROUNDS; ++r) {
-        const long long i = base + r * THREADS + threadIdx.x;
-        const int key = tile_key(keys_in, n, i), digit = digit_of(key, shift);
+    // Each warp ranks its span: rank[j] counts the span's earlier entries of the same digit.
+    const long long base = (long long)tile * TILE + warp * SPAN;
+    int keys[STEPS], ranks[STEPS];
+    #pragma unroll
+    for (int j = 0; j < STEPS; ++j) {
+        keys[j] = tile_key(keys_in, n, base + j * 32 + lane);
+        const int digit = digit_of(keys[j], shift);
         const u32 peers = __match_any_sync(FULL_MASK, digit);
-        const int before = __popc(peers & ((1u << lane) - 1));  // same digit, earlier lanes of this warp
-        if (digit != NO_DIGIT && before == 0) warp_counts[warp][digit] = __popc(peers);
-        __syncthreads();
-        if (digit != NO_DIGIT) {
-            int place = next_place[digit] + before;
-            for (int w = 0; w < warp; ++w) place += warp_counts[w][digit];
-            keys_out[place] = key;
-            values_out[place] = values_in != nullptr ? values_in[i] : (int)i;
-        }
-        __syncthreads();
-        int placed = 0;
-        for (int w = 0; w < WARPS; ++w) {
-            placed += warp_counts[w][d];
-            warp_counts[w][d] = 0;
-        }
-        next_place[d] += placed;
-        __syncthreads();
+        const int before = __popc(peers & ((1u << lane) - 1));  // same digit, earlier lanes
+        ranks[j] = digit == NO_DIGIT ? 0 : warp_next[warp][digit] + before;
+        __syncwarp();
+        if (digit != NO_DIGIT && before == 0) warp_next[warp][digit] += __popc(peers);
+        __syncwarp();
+    }
+    __syncthreads();
+    int running = tile_start[d];  // the warps' counts become their starts, in warp order
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        const int c = warp_next[w][d];
+        warp_next[w][d] = running;
+        running += c;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int j = 0; j < STEPS; ++j) {
+        const int digit = digit_of(keys[j], shift);
+        if (digit == NO_DIGIT) continue;
+        const long long i = base + j * 32 + lane;
+        const int rank = warp_next[warp][digit] + ranks[j];
+        sorted_keys[rank] = keys[j];
+        sorted_values[rank] = values_in != nullptr ? values_in[i] : (int)i;
+    }
+    __syncthreads();
+    for (int r = d; r < (int)kept; r += THREADS) {
+        const int key = sorted_keys[r], digit = digit_of(key, shift);
+        const int place = place_of_start[digit] + r - tile_start[digit];
+        keys_out[place] = key;
+        values_out[place] = sorted_values[r];
     }
 }
