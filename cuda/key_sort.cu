@@ -91,7 +91,7 @@ ks_scatter(const int* keys_in, const int* values_in, long long n, int shift, int
     #pragma unroll
     for (int w = 0; w < WARPS; ++w) warp_next[w][d] = 0;
     __syncthreads();
-    // Each warp ranks its span: rank[j] counts the span's earlier entries of the same digit.
+    // Each warp ranks its span: ranks[j] counts the span's earlier entries of the same digit.
     const long long base = (long long)tile * TILE + warp * SPAN;
     int keys[STEPS], ranks[STEPS];
     #pragma unroll
