@@ -1,0 +1,47 @@
+"""The kernel benchmarks' CPU-side tools: the A/B variants still find the
+kernel code they rewrite, and ncu_regions splits a source view where the
+warps synchronise."""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the benchmarks package sits beside tests/ (plain `pytest` does not add the root)
+    sys.path.insert(0, str(ROOT))
+from benchmarks import ncu_regions, sparse_attention_variants  # noqa: E402
+
+
+@pytest.mark.parametrize("variant", sparse_attention_variants.VARIANTS)
+def test_every_variant_rewrites_the_current_kernels(tmp_path, variant):
+    """A variant stops with an error when its quoted kernel lines are gone
+    (a kernel edit broke it); here each one applies and changes its file."""
+    shutil.copytree(ROOT / "cuda", tmp_path / "cuda")
+    kernel = "sparse_attention_bwd.cu" if variant.startswith("dq_") else "sparse_attention.cu"
+    before = (tmp_path / "cuda" / kernel).read_text()
+    sparse_attention_variants.patch(tmp_path, variant)
+    assert (tmp_path / "cuda" / kernel).read_text() != before
+
+
+def test_a_missing_quote_stops_the_patch(tmp_path):
+    shutil.copytree(ROOT / "cuda", tmp_path / "cuda")
+    path = tmp_path / "cuda" / "sparse_attention_bwd.cu"
+    path.write_text(path.read_text().replace("add_ds_kv(acc, rope, ds_tile, kv_tile, ln);", "add_ds_kv();"))
+    with pytest.raises(SystemExit, match="the code this variant rewrites is not there"):
+        sparse_attention_variants.patch(tmp_path, "dq_gathers_only")
+
+
+def test_ncu_regions_cut_at_synchronising_instructions(tmp_path):
+    csv = tmp_path / "source.csv"
+    lines = ['"Kernel view"', '"Address","Source","Warp Stall Sampling (All Samples)"']
+    sass = [("LDG.E R2, [R4]", 1), ("BAR.SYNC.DEFER_BLOCKING 0x0", 3),  # stretch 0-1: 4 samples
+            ("HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT", 2),  # a group's first wgmma closes 2-2
+            ("HGMMA.64x32x16.F32.BF16 R24, gdesc[UR6], R24", 1), ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 6),  # 3-4: 7
+            ("FADD R1, R2, R3", 0), ("EXIT", 7)]  # 5-6: 7
+    lines += [f'"{16 * i:x}","{text}","{samples}"' for i, (text, samples) in enumerate(sass)]
+    csv.write_text("\n".join(lines) + "\n")
+    got = [(first, last, round(share, 6)) for first, last, share, _ in ncu_regions.regions(csv)]
+    assert got == [(0, 1, 20.0), (2, 2, 10.0), (3, 4, 35.0), (5, 6, 35.0)]
