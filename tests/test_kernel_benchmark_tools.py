@@ -45,3 +45,18 @@ def test_ncu_regions_cut_at_synchronising_instructions(tmp_path):
     csv.write_text("\n".join(lines) + "\n")
     got = [(first, last, round(share, 6)) for first, last, share, _ in ncu_regions.regions(csv)]
     assert got == [(0, 1, 20.0), (2, 2, 10.0), (3, 4, 35.0), (5, 6, 35.0)]
+
+
+def test_timeline_sums_idle_overlap_and_alone_time():
+    from benchmarks import sparse_attention_timeline as timeline
+
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "dq", "ts": 0, "dur": 10, "args": {"stream": 7}},
+        {"cat": "kernel", "name": "rows", "ts": 6, "dur": 6, "args": {"stream": 9}},  # beside dq 6-10
+        {"cat": "kernel", "name": "dq", "ts": 15, "dur": 5, "args": {"stream": 7}},  # idle 12-15
+        {"cat": "cpu_op", "name": "not a kernel", "ts": 0, "dur": 99},
+    ]}
+    got = timeline.summarise(timeline.kernel_events(trace))
+    assert (got["span_ms"], got["idle_ms"], got["overlap_ms"]) == (0.02, 0.003, 0.004)
+    assert got["kernels"]["dq"] == {"launches": 2, "total_ms": 0.015, "alone_ms": 0.011}
+    assert got["kernels"]["rows"] == {"launches": 1, "total_ms": 0.006, "alone_ms": 0.002}
