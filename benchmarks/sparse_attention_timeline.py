@@ -9,7 +9,8 @@ Per step (fwd, bwd): its span (first kernel's start to last kernel's end),
 the time with no kernel running (idle) and with kernels of two streams at
 once (overlap); per kernel name: launches, total device time, and "alone",
 the time it was the only kernel running (what removing it would save at
-most). ``--rows-gb`` sets the backward's ROWS_BYTES (its query chunk); the
+most). ``--rows-gb`` sets the backward's ROWS_BYTES (its query chunk; default
+rows_budget()'s choice); the
 bits of dq and dkv do not depend on it. Inputs as
 benchmarks/sparse_attention_gpu.py draws them. Results JSON:
 results/sparse_attention_timeline.json (``--out`` for another folder).
@@ -106,8 +107,8 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[32768])
     parser.add_argument("--heads", type=int, nargs="+", default=[64])
     parser.add_argument("--topk", type=int, default=2048)
-    parser.add_argument("--rows-gb", type=float, nargs="+", default=[gpu.ROWS_BYTES / 2**30],
-                        help="the backward's ROWS_BYTES in GiB, one run each")
+    parser.add_argument("--rows-gb", type=float, nargs="+", default=[None],
+                        help="the backward's ROWS_BYTES in GiB, one run each (default: rows_budget() picks)")
     parser.add_argument("--steps", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--out", default=None, help="folder of the results JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
@@ -117,16 +118,16 @@ def main(argv=None) -> None:
             q, kv, dout, idx = (to_cupy(cp, x, torch) for x in inputs(torch, n, h, args.topk))
             out, lse = hs.sparse_attention(q, kv, idx)
             for rows_gb in args.rows_gb if "bwd" in args.steps else [None]:
-                if rows_gb is not None:
-                    gpu.ROWS_BYTES = int(rows_gb * 2**30)
+                gpu.ROWS_BYTES = None if rows_gb is None else int(rows_gb * 2**30)
                 steps = {"fwd": lambda: hs.sparse_attention(q, kv, idx),
                          "bwd": lambda: hs.sparse_attention_backward(q, kv, idx, out, lse, dout)}
                 if rows_gb != args.rows_gb[0]:
                     steps.pop("fwd")  # the forward does not depend on ROWS_BYTES: recorded once
                 picked = {s: steps[s] for s in args.steps if s in steps}
-                print(f"N={n} h={h} rows {rows_gb} GiB", flush=True)
+                budget = round(gpu.rows_budget() / 2**30, 2)  # as the backward will pick it (memory is free now)
+                print(f"N={n} h={h} rows {budget} GiB", flush=True)
                 for step, summary in record(torch, picked).items():
-                    config = {"n": n, "h": h, "k": args.topk, "rows_gib": rows_gb if step == "bwd" else None}
+                    config = {"n": n, "h": h, "k": args.topk, "rows_gib": budget if step == "bwd" else None}
                     rows.append({"bench": "sparse_attention_timeline", "config": config, "impl": f"hs {step}",
                                  **summary})
                     short.append({"N": n, "h": h, "step": step, "rows GiB": config["rows_gib"] or "",

@@ -36,11 +36,15 @@ __device__ __forceinline__ int tile_key(const int* keys, long long n, long long 
 extern "C" __global__ void __launch_bounds__(THREADS)
 ks_digit_counts(const int* keys, long long n, int shift, int n_tiles, int* counts) {
     __shared__ int hist[THREADS];
+    const long long base = (long long)blockIdx.x * TILE;
+    int tile_keys[ROUNDS];  // every load in flight before the first is used
+    #pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) tile_keys[r] = tile_key(keys, n, base + r * THREADS + threadIdx.x);
     hist[threadIdx.x] = 0;
     __syncthreads();
-    const long long base = (long long)blockIdx.x * TILE;
+    #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
-        const int digit = digit_of(tile_key(keys, n, base + r * THREADS + threadIdx.x), shift);
+        const int digit = digit_of(tile_keys[r], shift);
         const u32 peers = __match_any_sync(FULL_MASK, digit);  // one shared add per distinct digit of the warp
         if (digit != NO_DIGIT && lane_id() == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
     }
@@ -81,6 +85,16 @@ ks_scatter(const int* keys_in, const int* values_in, long long n, int shift, int
     __shared__ int sorted_keys[TILE], sorted_values[TILE];
     __shared__ u32 scratch[MAX_WARPS + 1];
     const int lane = lane_id(), warp = warp_id(), d = threadIdx.x, tile = blockIdx.x;
+    // The warp's span, keys and values, requested before anything waits on them.
+    const long long base = (long long)tile * TILE + warp * SPAN;
+    int keys[STEPS], values[STEPS], ranks[STEPS];
+    #pragma unroll
+    for (int j = 0; j < STEPS; ++j) keys[j] = tile_key(keys_in, n, base + j * 32 + lane);
+    #pragma unroll
+    for (int j = 0; j < STEPS; ++j) {
+        const long long i = base + j * 32 + lane;
+        values[j] = values_in == nullptr ? (int)i : i < n ? values_in[i] : 0;
+    }
     const long long at = (long long)d * n_tiles + tile;
     const int count = (tile + 1 < n_tiles ? offsets[at + 1] : totals[d]) - offsets[at];  // digit d in this tile
     u32 all, kept;
@@ -92,11 +106,8 @@ ks_scatter(const int* keys_in, const int* values_in, long long n, int shift, int
     for (int w = 0; w < WARPS; ++w) warp_next[w][d] = 0;
     __syncthreads();
     // Each warp ranks its span: ranks[j] counts the span's earlier entries of the same digit.
-    const long long base = (long long)tile * TILE + warp * SPAN;
-    int keys[STEPS], ranks[STEPS];
     #pragma unroll
     for (int j = 0; j < STEPS; ++j) {
-        keys[j] = tile_key(keys_in, n, base + j * 32 + lane);
         const int digit = digit_of(keys[j], shift);
         const u32 peers = __match_any_sync(FULL_MASK, digit);
         const int before = __popc(peers & ((1u << lane) - 1));  // same digit, earlier lanes
@@ -118,10 +129,9 @@ ks_scatter(const int* keys_in, const int* values_in, long long n, int shift, int
     for (int j = 0; j < STEPS; ++j) {
         const int digit = digit_of(keys[j], shift);
         if (digit == NO_DIGIT) continue;
-        const long long i = base + j * 32 + lane;
         const int rank = warp_next[warp][digit] + ranks[j];
         sorted_keys[rank] = keys[j];
-        sorted_values[rank] = values_in != nullptr ? values_in[i] : (int)i;
+        sorted_values[rank] = values[j];
     }
     __syncthreads();
     for (int r = d; r < (int)kept; r += THREADS) {

@@ -69,6 +69,8 @@ def check_index_table(indices: Any, n_keys: int, name: str, xp: Any) -> None:
     """
     if indices.size == 0:
         return
+    if int(indices.min()) >= -1 and int(indices.max()) < n_keys:  # two reads of the table, no temporaries
+        return
     bad = (indices < -1) | (indices >= n_keys)
     if bool(bad.any()):
         pos = tuple(int(i) for i in xp.argwhere(bad)[0])

@@ -622,6 +622,20 @@ def test_kernels_are_bitwise_reproducible_and_chunk_invariant(kernels, monkeypat
 
 
 @pytest.mark.gpu
+def test_rows_budget_takes_a_share_of_free_memory_within_its_bounds(kernels, monkeypatch):
+    import cupy
+
+    free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
+    expected = min(kernels.MAX_ROWS_BYTES, max(kernels.MIN_ROWS_BYTES, free // kernels.FREE_SHARE))
+    assert abs(kernels.rows_budget() - expected) <= 64 << 20  # free memory moves a little between the reads
+    monkeypatch.setattr(kernels, "ROWS_BYTES", 12345)
+    assert kernels.rows_budget() == 12345
+    per_query = 2048 * D_QK * 2  # one bfloat16 row per slot
+    monkeypatch.setattr(kernels, "ROWS_BYTES", 3 * per_query)
+    assert list(kernels.query_chunks(7, 2048, np.uint16)) == [(0, 3), (3, 6), (6, 7)]
+
+
+@pytest.mark.gpu
 def test_kernels_empty_selections(kernels):
     q, kv, _ = make_inputs(np.random.default_rng(23), 3, 16, 1, 4, dtype=bfloat16)
     dout = np.ones((3, 16, D_V), bfloat16)

@@ -74,7 +74,9 @@ def _check_saved(arrays: dict[str, Any], d_v: int, xp: Any) -> None:
     if lse.size == 0:
         return
     lse = float_view(lse, xp)
-    bad = ~xp.isfinite(lse) & (arrays["indices"] >= 0).any(axis=1)[:, None]
+    indices = arrays["indices"]
+    has_key = indices.max(axis=1) >= 0 if indices.shape[1] else xp.zeros(n, dtype=bool)  # entries are >= -1
+    bad = ~xp.isfinite(lse) & has_key[:, None]
     if bool(bad.any()):
         t, j = (int(i) for i in xp.argwhere(bad)[0])
         raise ValueError(f"lse must be finite on rows with a valid slot, got lse[{t}, {j}] = {float(lse[t, j])} "

@@ -38,11 +38,11 @@ block of 64 slots):
   bfloat16 for bfloat16 inputs (each rounded once: half the scratch traffic
   of float32; ``precise_dkv`` keeps them float32) and float32 for float16
   inputs. Bitwise reproducible, and independent of the query chunking
-  (``ROWS_BYTES``), since each key's running sum sees the same sequence of
+  (``rows_budget``), since each key's running sum sees the same sequence of
   adds. A chunk's dkv rows and sums run on a second stream while the
   current stream runs the next chunk's dq kernel (``OVERLAP_CHUNKS``; the
   same bits either way; two chunks' images held). Their scratch (the rows,
-  up to ``ROWS_BYTES``, and the key table) is allocated on that stream, and
+  up to ``rows_budget()`` bytes, and the key table) is allocated on that stream, and
   CuPy's stream-aware pool keeps freed blocks for the stream that freed
   them: after a backward the pool holds them for the next one, and
   ``cupy.get_default_memory_pool().free_all_blocks()`` gives them back.
@@ -68,7 +68,9 @@ SMEM_DQ = 1024 + 9 * _TILE + 8 * _TILE + 9 * _TILE + IMAGE_BYTES  # q, dout, a k
 GROUPS_PER_PASS = 2  # head groups one dkv-rows pass sums (its K: up to 128 heads)
 SMEM_DKV_ROWS = {gp: 1024 + 13 * gp * _TILE for gp in (1, 2)}  # q and dout columns of a half, 2 blocks of images
 
-ROWS_BYTES = 4 << 30  # bytes of the backward's dkv rows per query chunk
+ROWS_BYTES = None  # bytes of the backward's dkv rows per query chunk; None: rows_budget() picks
+MIN_ROWS_BYTES, MAX_ROWS_BYTES = 1 << 30, 16 << 30
+FREE_SHARE = 4  # rows_budget: at most a quarter of the free device memory
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
 OVERLAP_CHUNKS = True  # the backward's dkv rows and sums on a second stream, beside the next chunk's dq kernel
 
@@ -155,9 +157,23 @@ def _as_dtype(x, dtype):
     return narrow(widen(x, cupy_module().float32), dtype)
 
 
+def rows_budget() -> int:
+    """Bytes of dkv rows per query chunk of the backward: ``ROWS_BYTES`` where set,
+    else a ``1 / FREE_SHARE`` share of the device memory free now (the driver's
+    free bytes plus the blocks CuPy's pool holds unused), clamped to
+    [MIN_ROWS_BYTES, MAX_ROWS_BYTES]. Fewer chunks mean fewer passes of the
+    per-key sums over the float32 dkv. The backward's scratch is about 1.5x
+    this: the rows, two chunks' images (0.22x each) and the key table."""
+    if ROWS_BYTES is not None:
+        return ROWS_BYTES
+    cp = cupy_module()
+    free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+    return min(MAX_ROWS_BYTES, max(MIN_ROWS_BYTES, free // FREE_SHARE))
+
+
 def query_chunks(n: int, rows_per_query: int, row_dtype):
-    """Query ranges whose dkv rows (``rows_per_query`` rows [576] of ``row_dtype`` per query) fit ROWS_BYTES."""
-    step = max(1, ROWS_BYTES // max(1, rows_per_query * D_QK * np.dtype(row_dtype).itemsize))
+    """Query ranges whose dkv rows (``rows_per_query`` rows [576] of ``row_dtype`` per query) fit ``rows_budget()``."""
+    step = max(1, rows_budget() // max(1, rows_per_query * D_QK * np.dtype(row_dtype).itemsize))
     for t0 in range(0, n, step):
         yield t0, min(n, t0 + step)
 
