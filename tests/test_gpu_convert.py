@@ -61,18 +61,49 @@ def test_narrow_of_strided_and_float64_inputs():
                                   x[finite].astype(bfloat16).view(np.uint16))
 
 
-def test_widen_is_exact_on_every_bfloat16_pattern():
+def _every_pattern():
+    import cupy as cp
+
+    from hyscale_core._dtypes import bfloat16
+
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    return patterns, cp.asarray(patterns).view(bfloat16)
+
+
+def test_widen_to_float32_is_exact_on_every_bfloat16_pattern():
+    import cupy as cp
+
+    from hyscale_core.gpu.convert import widen
+
+    patterns, x = _every_pattern()
+    wide = widen(x, cp.float32)
+    assert wide.dtype == cp.float32
+    np.testing.assert_array_equal(cp.asnumpy(wide.view(cp.uint32)), patterns.astype(np.uint32) << 16)
+
+
+def test_widen_to_float64_is_exact_on_every_bfloat16_pattern():
+    """Subnormals included (CuPy's -ftz=true would flush a float32 -> float64 conversion of them)."""
+    import cupy as cp
+
+    from hyscale_core.gpu.convert import widen
+
+    patterns, x = _every_pattern()
+    wide = widen(x, cp.float64)
+    expected = (patterns.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    assert wide.dtype == cp.float64
+    np.testing.assert_array_equal(cp.asnumpy(wide), expected)  # NaN matches NaN
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(np.signbit(cp.asnumpy(wide))[finite], np.signbit(expected)[finite])  # -0.0
+    assert (cp.asnumpy(wide)[1:128] > 0).all()  # the positive subnormals stay
+
+
+def test_narrow_undoes_widen_on_every_bfloat16_pattern():
     import cupy as cp
 
     from hyscale_core._dtypes import bfloat16
     from hyscale_core.gpu.convert import narrow, widen
 
-    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    x = cp.asarray(patterns).view(bfloat16)
-    wide = widen(x, cp.float32)
-    assert wide.dtype == cp.float32
-    np.testing.assert_array_equal(cp.asnumpy(wide.view(cp.uint32)), patterns.astype(np.uint32) << 16)
-    np.testing.assert_array_equal(cp.asnumpy(widen(x, cp.float64)), cp.asnumpy(wide).astype(np.float64))
-    back = cp.asnumpy(narrow(wide, bfloat16).view(cp.uint16))
+    patterns, x = _every_pattern()
+    back = cp.asnumpy(narrow(widen(x, cp.float32), bfloat16).view(cp.uint16))
     quiet = patterns | np.where((patterns & 0x7FFF) > 0x7F80, 0x40, 0).astype(np.uint16)
-    np.testing.assert_array_equal(back, quiet)  # exact round trip; signalling NaNs come back quiet
+    np.testing.assert_array_equal(back, quiet)  # exact; signalling NaNs come back quiet
