@@ -633,6 +633,9 @@ def test_rows_budget_takes_a_share_of_free_memory_within_its_bounds(kernels, mon
     per_query = 2048 * D_QK * 2  # one bfloat16 row per slot
     monkeypatch.setattr(kernels, "ROWS_BYTES", 3 * per_query)
     assert list(kernels.query_chunks(7, 2048, np.uint16)) == [(0, 3), (3, 6), (6, 7)]
+    monkeypatch.setattr(kernels, "ROWS_BYTES", 6 * per_query)  # two chunks of at most 6: split evenly
+    assert list(kernels.query_chunks(7, 2048, np.uint16)) == [(0, 4), (4, 7)]
+    assert list(kernels.query_chunks(0, 2048, np.uint16)) == []
 
 
 @pytest.mark.gpu

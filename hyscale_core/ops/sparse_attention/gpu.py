@@ -172,8 +172,10 @@ def rows_budget() -> int:
 
 
 def query_chunks(n: int, rows_per_query: int, row_dtype):
-    """Query ranges whose dkv rows (``rows_per_query`` rows [576] of ``row_dtype`` per query) fit ``rows_budget()``."""
-    step = max(1, rows_budget() // max(1, rows_per_query * D_QK * np.dtype(row_dtype).itemsize))
+    """Query ranges whose dkv rows (``rows_per_query`` rows [576] of ``row_dtype`` per query) fit
+    ``rows_budget()``: as few as fit, of equal length but for the last (no short tail chunk)."""
+    most = max(1, rows_budget() // max(1, rows_per_query * D_QK * np.dtype(row_dtype).itemsize))
+    step = -(-n // -(-n // most)) if n else 1
     for t0 in range(0, n, step):
         yield t0, min(n, t0 + step)
 

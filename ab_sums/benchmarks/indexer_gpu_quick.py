@@ -1,0 +1,50 @@
+"""One line per tree for A/B runs of the GPU indexer kernels: the score
+kernel alone (``hs.indexer_scores`` over query chunks, the table discarded,
+as in ``indexer_gpu_breakdown``) and, unless ``--scores-only``, the
+streaming ``hs.indexer_topk`` at each k. Run it from each tree's root with
+that tree on ``PYTHONPATH`` (and its own ``HYSCALE_CACHE_DIR``), in one
+device call, so that the trees share the GPU's state.
+
+    python -m benchmarks.indexer_gpu_quick --label 91e8e1c --n 131072
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+
+def main(argv=None) -> None:
+    import cupy as cp
+
+    import hyscale_core as hs
+
+    from .indexer_gpu import inputs
+    from .indexer_gpu_breakdown import scores_only, wall_ms
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", required=True, help="names the tree in the output line")
+    parser.add_argument("--n", type=int, default=131072)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--ks", type=int, nargs="*", default=[256, 2048])
+    parser.add_argument("--scores-only", action="store_true")
+    parser.add_argument("--topk-only", action="store_true", help="skip the score kernel's run")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each top-k (median)")
+    parser.add_argument("--chunk", type=int, default=16384, help="query chunk of the score-only run")
+    args = parser.parse_args(argv)
+
+    q, k, w = inputs(cp, args.n, args.heads, args.dim)
+    row = {"label": args.label, "n": args.n, "heads": args.heads}
+    if not args.topk_only:
+        scores_only(hs, q[:2048], k[:2048], w[:2048], 1024)  # compile
+        row["scores_ms"] = round(wall_ms(cp, lambda: scores_only(hs, q, k, w, args.chunk), 3), 2)
+    for topk in [] if args.scores_only else args.ks:
+        hs.indexer_topk(q[:1024], k[:1024], w[:1024], topk, q_pos=np.arange(1024))  # compile
+        row[f"topk{topk}_ms"] = round(wall_ms(cp, lambda: hs.indexer_topk(q, k, w, topk), args.repeats), 2)
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,523 @@
+// Sparse attention backward on tensor cores (layout: sparse_attention.cuh),
+// in three kernels with no float atomics:
+//
+// sa_backward_dq recomputes p = exp(logit - lse) and dp = dout v^T per block,
+// forms ds = p (dp - delta) (delta = rowsum(dout * out), made first; exactly
+// 0 on rows whose valid slots all hold one key), adds ds kv into dq (kept in
+// registers), and writes the block's ds and p' = p / scale tiles (16-bit, as
+// their swizzled shared-memory image) to a scratch buffer, by one bulk copy
+// from shared memory.
+// sa_backward_dkv_rows{1,2}_{f32,bf16} read those images back and compute
+// each slot's dkv row, scale * (ds^T q + p'^T dout) summed in float32 over up
+// to 128 heads (one or two head groups: one row per slot for h <= 128), into
+// a per-(query, head pass, slot) buffer of float32 or bfloat16 rows; a CTA
+// computes half of a row's columns. sa_dkv_segments_{f32,bf16} add those rows
+// into a float32 dkv key by key in ascending (query, slot, pass) order:
+// bitwise reproducible.
+#include "wgmma.cuh"
+#include "sparse_attention.cuh"
+#include "sync.cuh"
+
+// Diagnostic (branch sums-beside-dq only): one record per CTA of sa_backward_dq
+// (kind 0) and sa_dkv_segments_bf16 (kind 1): (kind << 32 | SM, clock64 at
+// the start, clock64 at the end), appended in completion order.
+__device__ unsigned long long hs_trace[1 << 20][3];
+__device__ unsigned int hs_trace_count;
+__device__ __forceinline__ void trace_cta(unsigned long long kind, unsigned long long t0) {
+    if (threadIdx.x != 0) return;
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const unsigned int i = atomicAdd(&hs_trace_count, 1u);
+    if (i < (1u << 20)) {
+        hs_trace[i][0] = kind << 32 | sm;
+        hs_trace[i][1] = t0;
+        hs_trace[i][2] = clock64();
+    }
+}
+
+namespace {
+
+struct BwdShared {
+    alignas(16) int idx[2][BK];
+    float delta[BH];
+    float lse2[BH];
+    int key_min, key_max;
+};
+static_assert(sizeof(BwdShared) == 1040, "hyscale_core/ops/sparse_attention/gpu.py's SMEM_DQ counts 1040 bytes for it");
+
+// Whether every valid slot of query t selects one and the same key (one
+// valid slot, or copies of one key). Then p is constant under the logit, so
+// ds = p (dp - delta) is exactly 0, which the caller writes instead of the
+// float32 cancellation of dp - delta. All threads must call this.
+__device__ __forceinline__ bool one_key(BwdShared& sh, const int* indices, int t, int k) {
+    if (threadIdx.x == 0) {
+        sh.key_min = 0x7FFFFFFF;
+        sh.key_max = -1;
+    }
+    __syncthreads();
+    int lo = 0x7FFFFFFF, hi = -1;
+    for (int i = threadIdx.x; i < k; i += THREADS) {
+        const int s = indices[(size_t)t * k + i];
+        if (s >= 0) {
+            lo = min(lo, s);
+            hi = max(hi, s);
+        }
+    }
+    atomicMin(&sh.key_min, lo);  // integer min / max: the result does not depend on the order
+    atomicMax(&sh.key_max, hi);
+    __syncthreads();
+    return sh.key_max >= 0 && sh.key_min == sh.key_max;
+}
+
+__device__ __forceinline__ float dot_halves(uint4 a, uint4 b) {
+    const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+    float acc = 0.f;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc = fmaf(half_to_float<F16>((u16)(av[i] & 0xFFFF)), half_to_float<F16>((u16)(bv[i] & 0xFFFF)), acc);
+        acc = fmaf(half_to_float<F16>((u16)(av[i] >> 16)), half_to_float<F16>((u16)(bv[i] >> 16)), acc);
+    }
+    return acc;
+}
+
+// delta = rowsum(dout * out) and lse in base 2 for the CTA's 64 head rows
+// (0 and -inf for heads past h); 4 threads per row, summed in a fixed order.
+// A thread's 16 chunks of each row are all requested before the first is
+// used: they come from memory, and one at a time would wait 16 times.
+__device__ __forceinline__ void row_stats(BwdShared& sh, const u16* out, const u16* dout, const float* lse, int t,
+                                          int g, int h) {
+    constexpr int CHUNKS = DV / 8 / 4;  // 16-byte chunks per thread and row
+    const int r = threadIdx.x >> 2, head = g * BH + r;
+    float acc = 0.f;
+    if (head < h) {
+        const uint4* o4 = reinterpret_cast<const uint4*>(out + ((size_t)t * h + head) * DV) + (threadIdx.x & 3);
+        const uint4* d4 = reinterpret_cast<const uint4*>(dout + ((size_t)t * h + head) * DV) + (threadIdx.x & 3);
+        uint4 o[CHUNKS], d[CHUNKS];
+        #pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            o[i] = o4[4 * i];
+            d[i] = d4[4 * i];
+        }
+        #pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) acc += dot_halves(o[i], d[i]);
+    }
+    acc = quad_sum(acc);
+    if ((threadIdx.x & 3) == 0) {
+        sh.delta[r] = acc;
+        sh.lse2[r] = head < h ? lse[(size_t)t * h + head] * LOG2E : neg_inf();
+    }
+}
+
+// ds = p (dp - delta) (0 for a one-key row) and p' = p / scale for this
+// thread's 16 entries of the block, into the shared ds tile and the p' tile
+// after it: the block's image. The slots' keys are read first and every
+// exponential is taken, then masked: no branch per entry, so the entries'
+// latencies overlap.
+__device__ __forceinline__ void write_ds(const float (&s)[16], const float (&dp)[16], const BwdShared& sh,
+                                         const int* idx, unsigned char* ds_tile, float sl2, float inv_scale,
+                                         bool constant_p, const Lane& ln) {
+    int2 keys[4];  // the keys of columns col and col + 1 below
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) keys[j] = *reinterpret_cast<const int2*>(idx + ln.w * 32 + 8 * j + ln.cq);
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = ln.row0 + 8 * r;
+        const float lse2 = sh.lse2[row], delta = sh.delta[row];
+        const bool live = lse2 != neg_inf();
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = ln.w * 32 + 8 * j + ln.cq;
+            const bool valid[2] = {live && keys[j].x >= 0, live && keys[j].y >= 0};
+            float p[2], ds[2];
+            #pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int i = 4 * j + 2 * r + c;
+                const float e = exp2f(s[i] * sl2 - lse2);
+                p[c] = valid[c] ? e : 0.f;
+                ds[c] = constant_p ? 0.f : p[c] * (dp[i] - delta);
+            }
+            const u32 off = tile_offset(row, col);
+            *reinterpret_cast<u32*>(ds_tile + off) = pack_half2<F16>(ds[0], ds[1]);
+            *reinterpret_cast<u32*>(ds_tile + P_BYTES + off) = pack_half2<F16>(p[0] * inv_scale, p[1] * inv_scale);
+        }
+    }
+}
+
+// dq (+)= ds kv for this warpgroup's columns 256 w .. 256 w + 255, and for
+// columns 512..575 in rope. Both warpgroups compute rope (only warpgroup 0
+// stores it): the two then run one instruction stream, which ptxas keeps
+// pipelined (a wgmma under a warpgroup branch serializes them all); the
+// duplicate costs no time, as warpgroup 0 needs those columns anyway.
+__device__ __forceinline__ void add_ds_kv(float (&acc)[128], float (&rope)[32], const unsigned char* ds_tile,
+                                          const unsigned char* tile, const Lane& ln) {
+    mma_begin(acc);
+    wgmma_fence_operands(rope);
+    #pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        const u64 a = wgmma_desc_k(ds_tile, kk, 64);
+        wgmma_m64n256k16<F16, 0, 1>(acc, a, wgmma_desc_mn(tile + ln.w * 4 * REGION + kk * K_STEP_ROWS, REGION), 1);
+        wgmma_m64n64k16<F16, 0, 1>(rope, a, wgmma_desc_mn(tile + 8 * REGION + kk * K_STEP_ROWS, REGION), 1);
+    }
+    mma_end();
+    wgmma_fence_operands(acc);
+    wgmma_fence_operands(rope);
+}
+
+// Write row row0 + 8 r of a [64 x 576] product held as acc (columns 256 w ..)
+// and rope (columns 512 .., stored by warpgroup 0), times `scale`, through
+// store(column, value, value at column + 1).
+template <typename Store>
+__device__ __forceinline__ void store_row(const float (&acc)[128], const float (&rope)[32], int r, float scale,
+                                          const Lane& ln, Store&& store) {
+    #pragma unroll
+    for (int j = 0; j < 32; ++j)
+        store(ln.w * 256 + 8 * j + ln.cq, acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+    if (ln.w == 0)
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+            store(DV + 8 * j + ln.cq, rope[4 * j + 2 * r] * scale, rope[4 * j + 2 * r + 1] * scale);
+}
+
+}  // namespace
+
+// Dynamic shared memory: Q_BYTES + DO_BYTES + KV_BYTES + IMAGE_BYTES +
+// sizeof(BwdShared), plus 1024 where the dynamic shared memory does not start
+// on a 1024-byte boundary (sa_dynamic_smem_offset says; the kernel has no
+// static shared memory). The block's image is its ds tile, an operand of ds
+// kv, then its p' tile. At most 232 registers: with no static shared memory,
+// a CTA of sa_dkv_segments_bf16 (the previous chunk's per-key sums, on the
+// other stream) fits on the SM beside it.
+// Grid: C * groups CTAs over the chunk's queries (pointers start at its first
+// query). images: [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks
+// without a valid slot are not written.
+extern "C" __global__ void __maxnreg__(232)
+sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout, const float* lse,
+               u16* dq, unsigned char* images, int h, int k, float scale) {
+    const unsigned long long trace_t0 = clock64();
+    unsigned char* q_tile = aligned_dynamic_smem();
+    unsigned char* do_tile = q_tile + Q_BYTES;
+    unsigned char* kv_tile = do_tile + DO_BYTES;
+    unsigned char* ds_tile = kv_tile + KV_BYTES;
+    BwdShared& sh = *reinterpret_cast<BwdShared*>(ds_tile + IMAGE_BYTES);
+    const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
+    const int nb = (k + BK - 1) / BK;
+    const Lane ln = lane_geometry();
+    const float sl2 = scale * LOG2E;
+    stage_heads<D>(q_tile, q, t, g, h);
+    stage_heads<DV>(do_tile, dout, t, g, h);
+    cp_async_commit();
+    row_stats(sh, out, dout, lse, t, g, h);
+    const bool constant_p = one_key(sh, indices, t, k);
+    unsigned char* image = images + (size_t)blockIdx.x * nb * IMAGE_BYTES;
+    float acc[128], rope[32];
+    zero(acc);
+    zero(rope);
+    const unsigned char* rows = kv_tile + ln.w * 32 * 128;  // this warpgroup's 32 slots
+    int s_cur = slot_key(indices, t, k, 0);
+    for (int b = 0; b < nb; ++b) {
+        // Gather block b in two groups: features 0..255 first, so their
+        // products start while features 256..575 land.
+        stage_key_row<0, 8>(kv_tile, kv, s_cur);
+        cp_async_commit();
+        stage_key_row<8, D / 32>(kv_tile, kv, s_cur);
+        cp_async_commit();
+        record_key(sh.idx[0], s_cur);
+        const int s_next = slot_key(indices, t, k, b + 1);
+        cp_async_wait<1>();
+        fence_proxy_async();
+        const int any = __syncthreads_or(s_cur >= 0);
+        s_cur = s_next;
+        if (!any) {
+            cp_async_wait<0>();  // a thread restages only its own chunks, after they landed
+            continue;
+        }
+        float s[16], dp[16];
+        zero(s);
+        zero(dp);
+        mma_begin(s);
+        wgmma_fence_operands(dp);
+        issue_rows32<0, 16>(s, q_tile, rows);
+        issue_rows32<0, 16>(dp, do_tile, rows);
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        issue_rows32<16, D / 16>(s, q_tile, rows);
+        issue_rows32<16, DV / 16>(dp, do_tile, rows);
+        mma_end();
+        wgmma_fence_operands(s);
+        wgmma_fence_operands(dp);
+        write_ds(s, dp, sh, sh.idx[0], ds_tile, sl2, 1.f / scale, constant_p, ln);
+        fence_proxy_async();
+        __syncthreads();
+        if (threadIdx.x == 0) bulk_store(image + (size_t)b * IMAGE_BYTES, ds_tile, IMAGE_BYTES);
+        add_ds_kv(acc, rope, ds_tile, kv_tile, ln);
+        if (threadIdx.x == 0) bulk_wait_read();
+        __syncthreads();  // the kv tile and the image are free for the next block
+    }
+    cp_async_wait<0>();
+    if (threadIdx.x == 0) bulk_wait();
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int head = g * BH + ln.row0 + 8 * r;
+        if (head >= h) continue;
+        u16* dst = dq + ((size_t)t * h + head) * D;
+        store_row(acc, rope, r, scale, ln, [&](int c, float a, float v) {
+            *reinterpret_cast<u32*>(dst + c) = pack_half2<F16>(a, v);
+        });
+    }
+    trace_cta(0, trace_t0);
+}
+
+// out[0] = the offset of the dynamic shared memory from a 1024-byte boundary,
+// in a kernel without static shared memory (as sa_backward_dq). One thread.
+extern "C" __global__ void sa_dynamic_smem_offset(int* out) {
+    extern __shared__ __align__(16) unsigned char dynamic_smem[];
+    out[0] = (int)(smem_addr(dynamic_smem) & 1023);
+}
+
+namespace {
+
+// Rows 0 .. ROWS-1 (heads head0 + r, zeros past h) of x[t] ([h, width] per
+// query), `chunks` 16-byte chunks from feature `first`, into a region layout
+// of ROWS rows (region i holds features first + 64 i ..).
+template <int ROWS>
+__device__ __forceinline__ void stage_head_columns(unsigned char* tile, const u16* x, int width, int t, int head0,
+                                                   int h, int first, int chunks) {
+    for (int r = threadIdx.x >> 2; r < ROWS; r += THREADS / 4) {
+        const int head = head0 + r;
+        const bool valid = head < h;
+        const u16* src = x + ((size_t)t * h + (valid ? head : 0)) * width + first;
+        for (int c = threadIdx.x & 3; c < chunks; c += 4)
+            cp_async16(tile + swizzled_offset(r, c, ROWS), src + c * 8, valid);
+    }
+}
+
+// This warp's 16 rows of an m64n(8 J) accumulator, times `scale`, as Row
+// values (float32, or bfloat16 bits rounded once) to columns 0 .. 8 J of
+// rows[slot] (slot: the warp's rows 16 (warp % 4) ..; only slots whose key
+// is >= 0), through `stage` (2 KB of shared memory the warp owns): in rounds
+// of 128 bytes per row, the lanes write their pairs (16-byte chunks XOR-
+// swizzled by row, no bank conflicts) and read back 16 bytes each, so each
+// store instruction writes four whole 128-byte lines.
+template <int J, typename Row>
+__device__ __forceinline__ void store_rows(const float (&acc)[4 * J], float scale, unsigned char* stage, Row* rows,
+                                           const int* idx, const Lane& ln) {
+    constexpr int BLOCKS = 128 / (8 * (int)sizeof(Row));  // column blocks of 8 per round
+    const int lane = threadIdx.x & 31, first_slot = 16 * ((threadIdx.x >> 5) & 3);
+    bool keep[4];  // whether the slot of this lane's i-th store holds a key
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) keep[i] = idx[first_slot + 4 * i + (lane >> 3)] >= 0;
+    #pragma unroll
+    for (int j0 = 0; j0 < J; j0 += BLOCKS) {
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = (lane >> 2) + 8 * r;
+            #pragma unroll
+            for (int jj = 0; jj < BLOCKS; ++jj) {
+                const int byte = (8 * jj + ln.cq) * (int)sizeof(Row);
+                unsigned char* at = stage + row * 128 + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
+                const float a = acc[4 * (j0 + jj) + 2 * r] * scale, b = acc[4 * (j0 + jj) + 2 * r + 1] * scale;
+                if constexpr (sizeof(Row) == 2)
+                    *reinterpret_cast<u32*>(at) = pack_half2<false>(a, b);
+                else
+                    *reinterpret_cast<float2*>(at) = make_float2(a, b);
+            }
+        }
+        __syncwarp();
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = 4 * i + (lane >> 3), chunk = lane & 7, slot = first_slot + row;
+            const uint4 v = *reinterpret_cast<const uint4*>(stage + row * 128 + (((chunk ^ row) & 7) << 4));
+            if (keep[i]) reinterpret_cast<uint4*>(rows + (size_t)slot * D + 8 * j0)[chunk] = v;
+        }
+        __syncwarp();
+    }
+}
+
+// One head pass of the dkv rows: GP head groups (GP * 64 heads, the K of the
+// products) and one column half of every row: HALF 0 features 0..255, HALF 1
+// features 256..575 (rope 512..575 computed by both warpgroups, so they run
+// one instruction stream; warpgroup 1 stores it). Warpgroup w owns features
+// 128 w .. 128 w + 127 of the half.
+template <int GP, int HALF, typename Row>
+__device__ __forceinline__ void dkv_rows_half(const u16* q, const u16* dout, const int* indices,
+                                              const unsigned char* images, Row* rows, int h, int k, float scale,
+                                              int pass, int t) {
+    constexpr int KH = GP * BH;   // heads summed by this pass
+    constexpr int R = KH * 128;   // one region of the q and dout tiles
+    constexpr int FIRST = 256 * HALF;
+    __shared__ int idx[2][BK];
+    unsigned char* q_tile = aligned_dynamic_smem();
+    unsigned char* do_tile = q_tile + 5 * R;
+    unsigned char* image_tiles = do_tile + 4 * R;
+    const int groups = (h + BH - 1) / BH, passes = (groups + 1) / 2, nb = (k + BK - 1) / BK;
+    const Lane ln = lane_geometry();
+    stage_head_columns<KH>(q_tile, q, D, t, 2 * pass * BH, h, FIRST, HALF ? (D - 256) / 8 : 32);
+    stage_head_columns<KH>(do_tile, dout, DV, t, 2 * pass * BH, h, FIRST, 32);
+    cp_async_commit();
+    const unsigned char* image = images + ((size_t)t * groups + 2 * pass) * nb * IMAGE_BYTES;
+    Row* query_rows = rows + ((size_t)t * passes + pass) * k * D;
+    // Stage block b's images of the pass's groups (blocks sa_backward_dq skipped hold garbage, and are
+    // skipped here too).
+    auto stage = [&](int b, int s) {
+        unsigned char* dst = image_tiles + (b & 1) * GP * IMAGE_BYTES;
+        #pragma unroll
+        for (int gi = 0; gi < GP; ++gi) {
+            const unsigned char* src = image + ((size_t)gi * nb + b) * IMAGE_BYTES;
+            for (int c = threadIdx.x; c < IMAGE_BYTES / 16; c += THREADS)
+                cp_async16(dst + gi * IMAGE_BYTES + 16 * c, src + 16 * c);
+        }
+        record_key(idx[b & 1], s);
+    };
+    int s_cur = slot_key(indices, t, k, 0), s_next = slot_key(indices, t, k, 1);
+    if (nb > 0) stage(0, s_cur);
+    cp_async_commit();
+    float acc[64], rope[32];  // each block's products overwrite them (accumulate = 0 at the first k-step)
+    zero(acc);
+    zero(rope);
+    for (int b = 0; b < nb; ++b) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        const int any = __syncthreads_or(s_cur >= 0);  // block b landed; block b - 1 done everywhere
+        if (b + 1 < nb) stage(b + 1, s_next);
+        cp_async_commit();
+        s_cur = s_next;
+        s_next = slot_key(indices, t, k, b + 2);
+        if (!any) continue;
+        unsigned char* block_images = image_tiles + (b & 1) * GP * IMAGE_BYTES;
+        mma_begin(acc);
+        wgmma_fence_operands(rope);
+        #pragma unroll
+        for (int kk = 0; kk < KH / 16; ++kk) {
+            const unsigned char* ds_img = block_images + (kk / 4) * IMAGE_BYTES + (kk % 4) * K_STEP_ROWS;
+            const u64 a_ds = wgmma_desc_mn(ds_img, REGION), a_p = wgmma_desc_mn(ds_img + P_BYTES, REGION);
+            const int n0 = ln.w * 2 * R + kk * K_STEP_ROWS;
+            wgmma_m64n128k16<F16, 1, 1>(acc, a_ds, wgmma_desc_mn(q_tile + n0, R), kk > 0);
+            wgmma_m64n128k16<F16, 1, 1>(acc, a_p, wgmma_desc_mn(do_tile + n0, R), 1);
+            if (HALF)
+                wgmma_m64n64k16<F16, 1, 1>(rope, a_ds, wgmma_desc_mn(q_tile + 4 * R + kk * K_STEP_ROWS, R),
+                                           kk > 0);
+        }
+        mma_end();
+        wgmma_fence_operands(acc);
+        wgmma_fence_operands(rope);
+        __syncthreads();  // both warpgroups' products have read the block's images: they become the stores' stage
+        unsigned char* store_stage = block_images + (threadIdx.x >> 5) * 2048;
+        Row* block_rows = query_rows + (size_t)b * BK * D;
+        store_rows<16>(acc, scale, store_stage, block_rows + FIRST + ln.w * 128, idx[b & 1], ln);
+        if (HALF && ln.w == 1) store_rows<8>(rope, scale, store_stage, block_rows + DV, idx[b & 1], ln);
+    }
+    cp_async_wait<0>();
+}
+
+}  // namespace
+
+// Dynamic shared memory: 1024 + 13 * GP * 64 * 128 (q and dout columns of
+// the half, two blocks of GP images). Grid: 2 C CTAs over the chunk's queries,
+// CTA 2 t + half. rows: [C, passes, k, 576] (passes = ceil(groups / 2));
+// row (t, pass, slot) = scale * (ds^T q + p'^T dout) of that slot over
+// the pass's heads 128 pass .. 128 pass + 64 GP - 1, written for valid slots
+// only; _bf16 entries write bfloat16 rows (u16 bits, each value rounded once
+// from float32). GP = 1 runs two CTAs per SM.
+#define HS_DKV_ROWS(GP, ROW, NAME)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, 3 - GP)                                                    \
+    NAME(const u16* q, const u16* dout, const int* indices, const unsigned char* images, ROW* rows, int h, int k,   \
+         float scale, int pass) {                                                                                   \
+        const int t = blockIdx.x >> 1;                                                                               \
+        if (blockIdx.x & 1)                                                                                          \
+            dkv_rows_half<GP, 1>(q, dout, indices, images, rows, h, k, scale, pass, t);                              \
+        else                                                                                                         \
+            dkv_rows_half<GP, 0>(q, dout, indices, images, rows, h, k, scale, pass, t);                              \
+    }
+HS_DKV_ROWS(1, float, sa_backward_dkv_rows1_f32)
+HS_DKV_ROWS(2, float, sa_backward_dkv_rows2_f32)
+HS_DKV_ROWS(1, u16, sa_backward_dkv_rows1_bf16)
+HS_DKV_ROWS(2, u16, sa_backward_dkv_rows2_bf16)
+#undef HS_DKV_ROWS
+
+namespace {
+
+// One 16-byte chunk of a row as floats: 4 float32 values, or 8 bfloat16.
+__device__ __forceinline__ void load_chunk(const float* row, int c, float (&v)[4]) {
+    const float4 x = reinterpret_cast<const float4*>(row)[c];
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+}
+
+__device__ __forceinline__ void load_chunk(const u16* row, int c, float (&v)[8]) {
+    const uint4 x = reinterpret_cast<const uint4*>(row)[c];
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+}
+
+// Threads of a per-key sums CTA: one 16-byte chunk of each row per thread.
+template <typename Row>
+__host__ __device__ constexpr int segment_threads() { return D * (int)sizeof(Row) / 16; }
+
+// dkv[s, :] += the rows of key s's pairs, pairs[starts[s]] .. pairs[starts[s +
+// 1] - 1] one after another: pair e is pairs[e] = t * k + i < 2^31 (query t
+// of the chunk, slot i); its rows (t * passes + p) * k + i, p ascending,
+// follow each other. One CTA of segment_threads threads per key, each adding
+// one 16-byte chunk of every row (4 columns of float32 rows, 8 of bfloat16).
+// The CTA turns a batch of pairs (one per thread) into row numbers in
+// shared memory, then each thread keeps LOADS rows in flight and adds them in
+// order into float32; no atomics.
+template <typename Row>
+__device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, const int* starts, int k, int passes,
+                                             float* dkv) {
+    constexpr int V = 16 / (int)sizeof(Row), LOADS = V == 4 ? 4 : 8, BATCH = segment_threads<Row>();
+    __shared__ int row_of[BATCH];
+    const int s = blockIdx.x, c = threadIdx.x;
+    const int first = starts[s], terms = (starts[s + 1] - first) * passes;
+    if (terms == 0) return;  // a key no slot selected
+    float4* dst = reinterpret_cast<float4*>(dkv + (size_t)s * D + V * c);
+    float acc[V];
+    #pragma unroll
+    for (int i = 0; i < V / 4; ++i) {
+        const float4 x = dst[i];
+        acc[4 * i] = x.x, acc[4 * i + 1] = x.y, acc[4 * i + 2] = x.z, acc[4 * i + 3] = x.w;
+    }
+    for (int base = 0; base < terms; base += BATCH) {
+        const int n = min(BATCH, terms - base);
+        __syncthreads();  // the previous batch's row numbers are read
+        if (c < n) {
+            const int u = base + c, pair = pairs[first + u / passes];
+            const int t = passes == 1 ? 0 : pair / k;  // one pass: the row is the pair
+            row_of[c] = pair + t * (passes - 1) * k + (u % passes) * k;
+        }
+        __syncthreads();
+        for (int j0 = 0; j0 < n; j0 += LOADS) {
+            float v[LOADS][V];
+            #pragma unroll
+            for (int j = 0; j < LOADS; ++j)  // past the batch: a repeat, loaded but not added
+                load_chunk(rows + (size_t)row_of[min(j0 + j, n - 1)] * D, c, v[j]);
+            #pragma unroll
+            for (int j = 0; j < LOADS; ++j)
+                if (j0 + j < n)
+                    #pragma unroll
+                    for (int i = 0; i < V; ++i) acc[i] += v[j][i];
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < V / 4; ++i) dst[i] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+}
+
+}  // namespace
+
+// Grid: one CTA per key of segment_threads<float>() (144) threads.
+extern "C" __global__ void __launch_bounds__(D / 4, 8)
+sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, int k, int passes, float* dkv) {
+    dkv_segments(rows, pairs, starts, k, passes, dkv);
+}
+
+// Grid: one CTA per key of segment_threads<u16>() (72) threads. At most 64
+// registers, so that a CTA fits on an SM beside one of sa_backward_dq.
+extern "C" __global__ void __maxnreg__(48)
+sa_dkv_segments_bf16(const u16* rows, const int* pairs, const int* starts, int k, int passes, float* dkv) {
+    const unsigned long long trace_t0 = clock64();
+    dkv_segments(rows, pairs, starts, k, passes, dkv);
+    trace_cta(1, trace_t0);
+}

@@ -1,0 +1,101 @@
+"""Argument checks shared by the public functions.
+
+Every failure raises ``ValueError`` (bad value or shape) or ``TypeError`` (bad
+type or dtype) whose message names the argument and the offending value.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from ._dtypes import dtype_names
+
+
+def check_ndim(a: Any, ndim: int, name: str, layout: str) -> None:
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(a.shape)}")
+
+
+def check_dtype(a: Any, allowed: tuple[np.dtype, ...], name: str) -> None:
+    if np.dtype(a.dtype) not in allowed:
+        raise TypeError(f"{name} has dtype {a.dtype}, expected one of: {dtype_names(allowed)}")
+
+
+def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
+    """``value`` as a Python int in ``[low, high]`` (``high=None``: no upper bound)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be in {bound}, got {value}")
+    return value
+
+
+def check_axis(axis: Any, ndim: int) -> int:
+    """Normalise ``axis`` for an array of ``ndim`` dimensions."""
+    axis = check_int(axis, "axis", -max(ndim, 1), max(ndim, 1) - 1)
+    return axis % max(ndim, 1)
+
+
+def check_same(name_a: str, value_a: int, name_b: str, value_b: int, what: str) -> None:
+    if value_a != value_b:
+        raise ValueError(f"{what} mismatch: {name_a} has {value_a}, {name_b} has {value_b}")
+
+
+def check_scale(scale: Any, default: float) -> float:
+    """``scale`` as a finite positive Python float; ``None`` gives ``default``."""
+    if scale is None:
+        return float(default)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    value = float(scale)
+    if not (np.isfinite(value) and value > 0.0):
+        raise ValueError(f"scale must be finite and positive, got {value!r}")
+    return value
+
+
+def check_shape(a: Any, shape: tuple[int, ...], name: str, layout: str) -> None:
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {layout} = {tuple(shape)}, got {tuple(a.shape)}")
+
+
+def check_index_table(indices: Any, n_keys: int, name: str, xp: Any) -> None:
+    """Every entry of the int table ``indices`` is -1 (skip) or a key in ``[0, n_keys)``.
+
+    Reports the first bad entry in row-major order with its position and value.
+    """
+    if indices.size == 0:
+        return
+    bad = (indices < -1) | (indices >= n_keys)
+    if bool(bad.any()):
+        pos = tuple(int(i) for i in xp.argwhere(bad)[0])
+        where = ", ".join(str(i) for i in pos)
+        raise ValueError(
+            f"{name}[{where}] = {int(indices[pos])} is out of range: entries must be -1 (skip) "
+            f"or key indices in [0, {n_keys})"
+        )
+
+
+def float_view(a: Any, xp: Any) -> Any:
+    """``a`` as a float array the checks can test: bfloat16 widened exactly to
+    float32 through its bits (CuPy's ufuncs do not take ml_dtypes' bfloat16)."""
+    from ._dtypes import bfloat16
+
+    if a.dtype == bfloat16:
+        return (a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return a
+
+
+def check_finite(a: Any, name: str, xp: Any) -> None:
+    """Every entry of the float array ``a`` is finite; names the first that is not."""
+    if a.size == 0:
+        return
+    a = float_view(a, xp)
+    finite = xp.isfinite(a)
+    if not bool(finite.all()):
+        pos = tuple(int(i) for i in xp.argwhere(~finite)[0])
+        where = ", ".join(str(i) for i in pos)
+        raise ValueError(f"{name} must be finite, got {name}[{where}] = {float(a[pos])}")

@@ -1,0 +1,1 @@
+"""GPU plumbing shared by the GPU backends: the memoized RawModule loader."""
