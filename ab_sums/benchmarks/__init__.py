@@ -1,2 +1,0 @@
-"""Benchmarks: named configurations, a runner (``python -m benchmarks.run``)
-and committed results under ``benchmarks/results/``."""

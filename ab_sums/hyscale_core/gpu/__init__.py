@@ -1,1 +1,0 @@
-"""GPU plumbing shared by the GPU backends: the memoized RawModule loader."""
