@@ -33,7 +33,7 @@ def chunk_table(cp, n: int, k: int, queries: int, seed: int = 0):
 def main(argv=None) -> None:
     import cupy as cp
 
-    from hyscale_core.gpu.segments import DIGIT_BITS, key_segments
+    from hyscale_core.gpu.segments import digit_width, key_segments
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[32768, 131072])
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
         stop.record()
         stop.synchronize()
         ms = cp.cuda.get_elapsed_time(start, stop) / args.calls
-        passes = max(1, -(-int(n - 1).bit_length() // DIGIT_BITS))
+        passes = max(1, -(-int(n - 1).bit_length() // digit_width(n)))
         entries = idx.size
         moved = entries * 4 * (1 + 2 + 4 * (passes - 1))  # table read + pass 1 writes; later passes read and write 16 B
         moved += entries * 4 * passes  # each pass's digit counts read the keys

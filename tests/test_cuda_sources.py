@@ -94,6 +94,13 @@ def test_indexer_compiles_for_every_head_dim_it_accepts(dim):
 
 
 @pytest.mark.skipif(_NVRTC is None, reason="libnvrtc not found")
+def test_key_sort_compiles_with_nine_bit_digits():
+    """hyscale_core/gpu/segments.py builds cuda/key_sort.cu with HS_KS_BITS = 9 for
+    2**17 to 2**18 keys (the default build above is 8)."""
+    _nvrtc_compile("key_sort.cu", ("HS_KS_BITS=9",))
+
+
+@pytest.mark.skipif(_NVRTC is None, reason="libnvrtc not found")
 @pytest.mark.parametrize("variant", ["evict_last", "gathers_only", "products_only"])
 def test_forward_variants_apply_and_compile(variant, tmp_path):
     """benchmarks/sparse_attention_variants.py still finds the code it rewrites in

@@ -354,10 +354,10 @@ def _check_key_table(got, indices, n_keys, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_keys", [1, 70, 256, 257, 0xFFFF, 70000])
+@pytest.mark.parametrize("n_keys", [1, 70, 256, 257, 512, 513, 0xFFFF, 70000, 1 << 18, (1 << 18) + 1])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 7), (50, 300), (7, 4096 + 63)])
 def test_gpu_key_segments_match_a_stable_sort(n_keys, shape):
-    """One to three radix passes give NumPy's stable sort: each key's positions
+    """One to three radix passes, of 8- or 9-bit digits, give NumPy's stable sort: each key's positions
     ascending, -1 entries left out, unselected keys empty; a run of one key
     spans the sort's tiles; int64 tables give the same."""
     import cupy
