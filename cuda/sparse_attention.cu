@@ -219,7 +219,7 @@ __device__ __forceinline__ void logits_first(float (&s)[32], const Tiles& tl, Pa
 // Warpgroup 0 over `pairs` pairs of blocks; o, l, m as the end leaves them.
 __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], float (&m)[2], const Tiles& tl,
                                                PairShared& sh, const u16* kv, const int* indices, int t, int k,
-                                               int pairs, float sl2, const Lane& ln, const NextCta& nc) {
+                                               int pairs, float sl2, const Lane& ln) {
     const GatherLane gl = gather_lane();
     float s[32];
     u32 a[16];
@@ -239,8 +239,6 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
         if (next) {
             block_keys(keys[0], indices, t, k, 2 * i + 2, gl);
             block_keys(keys[1], indices, t, k, 2 * i + 3, gl);
-        } else {
-            prefetch_next_cta(nc);  // the last pair: the next CTA's q rows and index row into the L2
         }
         float mx[2], base[2];
         scale_logits(s, valid, sl2, mx);
@@ -408,12 +406,9 @@ __device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2
 // out [N, h, 512] (q's 16-bit type), lse [N, h] float32 (natural log; -inf
 // for a head without a valid slot); lse2 (nullable) [N, h] float32: the
 // same in base 2, exactly as the softmax used it (sa_forward_probs reads it).
-// wave: the CTAs resident at once (SMs, one CTA each), or 0: the CTA that
-// many places on gets its q rows and index row prefetched into the L2 near
-// this CTA's end (NextCta).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse, float* lse2, int h, int k,
-           float scale, int wave) {
+           float scale) {
     __shared__ PairShared sh;
     Tiles tl;
     tl.q = aligned_dynamic_smem();
@@ -440,8 +435,7 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     float o[128], l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};
     zero(o);
     if (ln.w == 0)
-        run_warpgroup0(o, l, m, tl, sh, kv, indices, t, k, pairs, scale * LOG2E, ln,
-                       next_cta(wave, h, k, indices, q, D));
+        run_warpgroup0(o, l, m, tl, sh, kv, indices, t, k, pairs, scale * LOG2E, ln);
     else
         run_warpgroup1(o, l, m, tl, sh, kv, indices, t, k, pairs, scale * LOG2E, ln);
     write_output(o, l, m, sh, out, lse, lse2, t, g, h, ln);

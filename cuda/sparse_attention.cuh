@@ -14,7 +14,6 @@
 #pragma once
 
 #include "select.cuh"
-#include "sync.cuh"
 #include "wgmma.cuh"
 
 #ifndef HS_SA_F16
@@ -98,46 +97,6 @@ __device__ __forceinline__ void stage_heads(unsigned char* tile, const u16* x, i
     const int head = g * BH + (threadIdx.x >> 2);
     const bool valid = head < h;
     stage_row<0, WIDTH / 32>(tile, x + ((size_t)t * h + (valid ? head : 0)) * WIDTH, valid);
-}
-
-// What the CTA `wave` places after this one reads first (with one CTA per SM
-// and CTAs dispatched in order, the next CTA on an SM once this one ends):
-// its head group's rows of up to three [h, width] arrays and its index row,
-// prefetched into the L2 by thread 0 near the end of this CTA, so that the
-// next CTA's first loads find them there. x[i] == nullptr: no such array.
-// A range that does not start on 16 bytes or is not a whole number of
-// 16-byte chunks (an index row with k % 4 != 0) is left out.
-struct NextCta {
-    const u16* x[3];
-    int width[3];
-    const int* idx;
-    int h, k;
-    int t, g;  // the next CTA's query and head group; t < 0: none
-};
-
-__device__ __forceinline__ NextCta next_cta(int wave, int h, int k, const int* indices, const u16* x0, int w0,
-                                            const u16* x1 = nullptr, int w1 = 0, const u16* x2 = nullptr,
-                                            int w2 = 0) {
-    const int groups = (h + BH - 1) / BH, next = blockIdx.x + wave;
-    const bool any = wave > 0 && next < (int)gridDim.x;
-    return NextCta{{x0, x1, x2}, {w0, w1, w2}, indices, h, k, any ? next / groups : -1, any ? next % groups : 0};
-}
-
-// A bulk prefetch needs a 16-byte aligned start; arrays passed in by DLPack
-// need not give one, and are then left alone.
-__device__ __forceinline__ void prefetch_l2_aligned(const void* gmem, u32 bytes) {
-    if ((reinterpret_cast<size_t>(gmem) & 15) == 0 && bytes % 16 == 0 && bytes > 0) prefetch_l2(gmem, bytes);
-}
-
-__device__ __forceinline__ void prefetch_next_cta(const NextCta& nc) {
-    if (threadIdx.x != 0 || nc.t < 0) return;
-    const int heads = min(BH, nc.h - nc.g * BH);
-    #pragma unroll
-    for (int i = 0; i < 3; ++i)
-        if (nc.x[i] != nullptr)
-            prefetch_l2_aligned(nc.x[i] + ((size_t)nc.t * nc.h + nc.g * BH) * nc.width[i],
-                                (u32)(heads * nc.width[i] * 2));
-    prefetch_l2_aligned(nc.idx + (size_t)nc.t * nc.k, (u32)(nc.k * 4));
 }
 
 // The key of slot `slot` of query t: -1 when skipped or past k.

@@ -166,11 +166,10 @@ __device__ __forceinline__ void store_row(const float (&acc)[128], const float (
 // (the block's image: its ds tile, an operand of ds kv, then its p' tile).
 // Grid: C * groups CTAs over the chunk's queries (pointers start at its first
 // query). images: [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks
-// without a valid slot are not written. wave: as sa_forward's (the prefetch
-// takes the next CTA's q, out and dout rows and its index row).
+// without a valid slot are not written.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout, const float* lse,
-               u16* dq, unsigned char* images, int h, int k, float scale, int wave) {
+               u16* dq, unsigned char* images, int h, int k, float scale) {
     __shared__ BwdShared sh;
     unsigned char* q_tile = aligned_dynamic_smem();
     unsigned char* do_tile = q_tile + Q_BYTES;
@@ -191,9 +190,7 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
     zero(rope);
     const unsigned char* rows = kv_tile + ln.w * 32 * 128;  // this warpgroup's 32 slots
     int s_cur = slot_key(indices, t, k, 0);
-    const NextCta nc = next_cta(wave, h, k, indices, q, D, out, DV, dout, DV);
     for (int b = 0; b < nb; ++b) {
-        if (b == max(0, nb - 2)) prefetch_next_cta(nc);  // two blocks before the end
         // Gather block b in two groups: features 0..255 first, so their
         // products start while features 256..575 land.
         stage_key_row<0, 8>(kv_tile, kv, s_cur);

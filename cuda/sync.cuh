@@ -53,12 +53,6 @@ __device__ __forceinline__ void bulk_store(void* gmem, const void* smem, u32 byt
                  : "memory");
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// Asks the L2 to fetch [gmem, gmem + bytes) (16-byte aligned, a multiple of
-// 16 bytes) without waiting for it: one bulk prefetch, issued by one thread.
-__device__ __forceinline__ void prefetch_l2(const void* gmem, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
-}
-
 // Until this thread's bulk stores have read their shared source.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Until this thread's bulk stores are complete (written to global memory).

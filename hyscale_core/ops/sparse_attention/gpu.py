@@ -54,7 +54,7 @@ import numpy as np
 from ..._backend import cupy_module
 from ..._dtypes import bfloat16
 from ...gpu.convert import narrow, widen
-from ...gpu.module import get_kernel, multiprocessor_count
+from ...gpu.module import get_kernel
 from ...gpu.segments import key_segments
 from . import gpu_fallback
 
@@ -73,7 +73,6 @@ MIN_ROWS_BYTES, MAX_ROWS_BYTES = 1 << 30, 16 << 30
 FREE_SHARE = 4  # rows_budget: at most a quarter of the free device memory
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
 OVERLAP_CHUNKS = True  # the backward's dkv rows and sums on a second stream, beside the next chunk's dq kernel
-PREFETCH_NEXT_CTA = True  # forward and dq kernels: near its end a CTA prefetches into the L2 what the next one reads first
 
 
 def _defines(q, kv, d_v: int, scale: float) -> tuple[str, ...] | None:
@@ -100,11 +99,6 @@ def _kernel(name: str, smem: int, defines: tuple[str, ...]):
 
 def _bits(x):
     return x.view(cupy_module().uint16)
-
-
-def _wave():
-    """The kernels' ``wave`` argument (one CTA per SM): the CTAs resident at once, or 0 for no prefetch."""
-    return np.int32(multiprocessor_count(cupy_module().cuda.Device().id) if PREFETCH_NEXT_CTA else 0)
 
 
 def _groups(h: int) -> int:
@@ -147,7 +141,7 @@ def sparse_attention(q, kv, indices, d_v: int, scale: float, want_probs: bool = 
         _kernel("sa_forward", SMEM_FORWARD, defines)(
             (n * groups,), (THREADS,), (_bits(q), _bits(kv), indices, out, lse,
                                         lse2 if want_probs else np.uint64(0), np.int32(h), np.int32(k),
-                                        np.float32(scale), _wave()), shared_mem=SMEM_FORWARD)
+                                        np.float32(scale)), shared_mem=SMEM_FORWARD)
     if n and want_probs:
         _kernel("sa_forward_probs", SMEM_FORWARD, defines)(
             (n * groups,), (THREADS,), (_bits(q), _bits(kv), indices, lse2, part, np.int32(h), np.int32(k),
@@ -195,7 +189,7 @@ def dq_and_images(q, kv, indices, out, dout, lse, dq, scale: float, defines: tup
     images = cp.empty(ctas * -(-k // SLOTS_PER_BLOCK) * IMAGE_BYTES, dtype=cp.uint8)
     _kernel("sa_backward_dq", SMEM_DQ, defines)(
         (ctas,), (THREADS,), (_bits(q), _bits(kv), indices, _bits(out), _bits(dout), lse, dq, images, np.int32(h),
-                              np.int32(k), np.float32(scale), _wave()), shared_mem=SMEM_DQ)
+                              np.int32(k), np.float32(scale)), shared_mem=SMEM_DQ)
     return images
 
 
