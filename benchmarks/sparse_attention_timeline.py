@@ -12,7 +12,8 @@ difference is host time the device waited for),
 the time with no kernel running (idle) and with kernels of two streams at
 once (overlap); per kernel name: launches, total device time, and "alone",
 the time it was the only kernel running (what removing it would save at
-most). ``--rows-gb`` sets the backward's ROWS_BYTES (its query chunk; default
+most); and the longest idle stretches, with the kernels that ended before
+and started after each (host work the device waited for shows there). ``--rows-gb`` sets the backward's ROWS_BYTES (its query chunk; default
 rows_budget()'s choice); the
 bits of dq and dkv do not depend on it. Inputs as
 benchmarks/sparse_attention_gpu.py draws them. Results JSON:
@@ -40,11 +41,16 @@ def kernel_events(trace: dict) -> list[tuple[float, float, str, int]]:
     return sorted(events)
 
 
+GAPS = 5  # the longest stretches with no kernel running, listed per step
+
+
 def summarise(events: list[tuple[float, float, str, int]]) -> dict:
-    """Span, idle and overlap (ms) of a list of kernel events, and per kernel
-    name: launches, total ms and the ms it ran alone."""
+    """Span, idle and overlap (ms) of a list of kernel events; per kernel
+    name: launches, total ms and the ms it ran alone; the GAPS longest idle
+    stretches: where they start (ms after the first kernel's start), how long
+    they last, and the kernels that ended before and started after them."""
     if not events:
-        return {"span_ms": 0.0, "idle_ms": 0.0, "overlap_ms": 0.0, "kernels": {}}
+        return {"span_ms": 0.0, "idle_ms": 0.0, "overlap_ms": 0.0, "kernels": {}, "gaps": []}
     bounds = sorted({t for s, e, _, _ in events for t in (s, e)})
     running: dict[int, int] = {}  # event number -> stream, for the events covering the current interval
     by_start = sorted(range(len(events)), key=lambda i: events[i][0])
@@ -52,9 +58,11 @@ def summarise(events: list[tuple[float, float, str, int]]) -> dict:
     starts_at = ends_at = 0
     idle = overlap = 0.0
     alone: dict[str, float] = defaultdict(float)
+    gaps, last_ended = [], ""
     for left, right in zip(bounds, bounds[1:]):
         while ends_at < len(by_end) and events[by_end[ends_at]][1] <= left:
             running.pop(by_end[ends_at], None)
+            last_ended = events[by_end[ends_at]][2]
             ends_at += 1
         while starts_at < len(by_start) and events[by_start[starts_at]][0] <= left:
             i = by_start[starts_at]
@@ -64,6 +72,8 @@ def summarise(events: list[tuple[float, float, str, int]]) -> dict:
         width = right - left
         if not running:
             idle += width
+            gaps.append({"at_ms": (left - bounds[0]) / 1e3, "ms": width / 1e3, "after": last_ended,
+                         "before": events[by_start[starts_at]][2]})
         elif len(set(running.values())) > 1:
             overlap += width
         if len(running) == 1:
@@ -75,8 +85,9 @@ def summarise(events: list[tuple[float, float, str, int]]) -> dict:
         row["total_ms"] += (e - s) / 1e3
     for name, row in kernels.items():
         row["alone_ms"] = alone[name] / 1e3
+    gaps = sorted(gaps, key=lambda g: -g["ms"])[:GAPS]
     return {"span_ms": (bounds[-1] - bounds[0]) / 1e3, "idle_ms": idle / 1e3, "overlap_ms": overlap / 1e3,
-            "kernels": kernels}
+            "kernels": kernels, "gaps": gaps}
 
 
 def record(torch, steps: dict) -> dict:
@@ -141,6 +152,10 @@ def main(argv=None) -> None:
                                   "kernel": "(events / span / idle / overlap)",
                                   "ms": f"{summary['events_ms']:.2f} / {summary['span_ms']:.2f} / "
                                         f"{summary['idle_ms']:.2f} / {summary['overlap_ms']:.2f}"})
+                    for gap in summary["gaps"]:
+                        short.append({"N": n, "h": h, "step": step, "rows GiB": config["rows_gib"] or "",
+                                      "kernel": f"(idle at {gap['at_ms']:.2f} ms: {gap['after'][:18]} -> "
+                                                f"{gap['before'][:18]})", "ms": f"{gap['ms']:.3f}"})
                     for name, k in sorted(summary["kernels"].items(), key=lambda kv: -kv[1]["total_ms"]):
                         short.append({"N": n, "h": h, "step": step, "rows GiB": config["rows_gib"] or "",
                                       "kernel": name[:40], "launches": k["launches"],

@@ -60,3 +60,4 @@ def test_timeline_sums_idle_overlap_and_alone_time():
     assert (got["span_ms"], got["idle_ms"], got["overlap_ms"]) == (0.02, 0.003, 0.004)
     assert got["kernels"]["dq"] == {"launches": 2, "total_ms": 0.015, "alone_ms": 0.011}
     assert got["kernels"]["rows"] == {"launches": 1, "total_ms": 0.006, "alone_ms": 0.002}
+    assert got["gaps"] == [{"at_ms": 0.012, "ms": 0.003, "after": "rows", "before": "dq"}]
