@@ -13,10 +13,10 @@ the time with no kernel running (idle) and with kernels of two streams at
 once (overlap); per kernel name: launches, total device time, and "alone",
 the time it was the only kernel running (what removing it would save at
 most); and the longest idle stretches, with the kernels that ended before
-and started after each (host work the device waited for shows there). ``--rows-gb`` sets the backward's ROWS_BYTES (its query chunk; default
-rows_budget()'s choice); the
-bits of dq and dkv do not depend on it. Inputs as
-benchmarks/sparse_attention_gpu.py draws them. Results JSON:
+and started after each (host work the device waited for shows there).
+``--rows-gb`` sets the backward's ROWS_BYTES (its query chunk; default
+rows_budget()'s choice); the bits of dq and dkv do not depend on it. Inputs
+as benchmarks/sparse_attention_gpu.py draws them. Results JSON:
 results/sparse_attention_timeline.json (``--out`` for another folder).
 """
 from __future__ import annotations
