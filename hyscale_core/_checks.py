@@ -62,21 +62,15 @@ def check_shape(a: Any, shape: tuple[int, ...], name: str, layout: str) -> None:
         raise ValueError(f"{name} must have shape {layout} = {tuple(shape)}, got {tuple(a.shape)}")
 
 
-def check_index_table(indices: Any, n_keys: int, name: str, xp: Any, with_values: tuple = ()) -> list:
+def check_index_table(indices: Any, n_keys: int, name: str, xp: Any) -> None:
     """Every entry of the int table ``indices`` is -1 (skip) or a key in ``[0, n_keys)``.
 
     Reports the first bad entry in row-major order with its position and value.
-    ``with_values``: 0-d integer or bool arrays of the same backend, brought to
-    the host in the same transfer as the table's minimum and maximum (one wait
-    for the device instead of one each); returned as Python ints, in order.
     """
-    wanted = [xp.asarray(v).astype(xp.int64, copy=False) for v in with_values]
     if indices.size == 0:
-        return [int(v) for v in xp.stack(wanted).tolist()] if wanted else []
-    bounds = [indices.min().astype(xp.int64, copy=False), indices.max().astype(xp.int64, copy=False)]
-    lo, hi, *values = xp.stack(bounds + wanted).tolist()
-    if lo >= -1 and hi < n_keys:  # two reads of the table, no temporaries
-        return values
+        return
+    if int(indices.min()) >= -1 and int(indices.max()) < n_keys:  # two reads of the table, no temporaries
+        return
     bad = (indices < -1) | (indices >= n_keys)
     if bool(bad.any()):
         pos = tuple(int(i) for i in xp.argwhere(bad)[0])
@@ -85,7 +79,6 @@ def check_index_table(indices: Any, n_keys: int, name: str, xp: Any, with_values
             f"{name}[{where}] = {int(indices[pos])} is out of range: entries must be -1 (skip) "
             f"or key indices in [0, {n_keys})"
         )
-    return values
 
 
 def float_view(a: Any, xp: Any) -> Any:
