@@ -11,6 +11,7 @@ from typing import Any
 
 from ..._backend import CPU, as_arrays, xp_for
 from ..._checks import check_dtype, check_int, check_ndim, check_same, float_view
+from ..._docs import with_note
 from ..._dtypes import FLOAT_DTYPES, INDEXER_DTYPES
 from .ranges import candidate_ranges
 
@@ -68,6 +69,7 @@ def _impl(backend: str):
     return gpu
 
 
+@with_note(_PRECISION)
 def indexer_scores(q: Any, k: Any, w: Any, *, causal: bool = True, q_pos: Any = None,
                    cu_seqlens: Any = None) -> Any:
     """The full indexer score table, float32 [Nq, Nk] (masked entries -inf).
@@ -85,11 +87,12 @@ def indexer_scores(q: Any, k: Any, w: Any, *, causal: bool = True, q_pos: Any = 
                               keys of the sequence holding its position.
 
     Materialises Nq * Nk floats: use :func:`indexer_topk` for selection.
-    """ + _PRECISION
+    """
     backend, q, k, w, lo, hi = _prepare(q, k, w, causal, q_pos, cu_seqlens)
     return _impl(backend).indexer_scores(q, k, w, lo, hi)
 
 
+@with_note(_PRECISION)
 def indexer_topk(q: Any, k: Any, w: Any, topk: int, *, causal: bool = True, q_pos: Any = None,
                  cu_seqlens: Any = None, return_scores: bool = False) -> Any:
     """Each query's exact top-``topk`` keys, without materialising the scores.
@@ -107,7 +110,7 @@ def indexer_topk(q: Any, k: Any, w: Any, topk: int, *, causal: bool = True, q_po
     Memory: O(Nq * topk) plus one tile of scores per worker; on the GPU a
     topk past the fused kernel's sort (32 * D picks) selects from blocks of
     the score table instead, up to 1 GiB of it at a time.
-    """ + _PRECISION
+    """
     backend, q, k, w, lo, hi = _prepare(q, k, w, causal, q_pos, cu_seqlens)
     topk = check_int(topk, "topk", 0, MAX_TOPK)
     return_scores = _bool(return_scores, "return_scores")

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..._backend import CPU, as_arrays, xp_for
 from ..._checks import check_dtype, check_finite, check_index_table, check_ndim, check_same, check_shape, float_view
+from ..._docs import with_note
 from ..._dtypes import FLOAT_DTYPES, INDEX_DTYPES, INDEXER_DTYPES
 
 _PRECISION = """
@@ -64,6 +65,7 @@ def _prepare(**named: Any) -> tuple[str, Any, dict[str, Any]]:
     return backend, xp, {name: xp.ascontiguousarray(a) for name, a in arrays.items()}
 
 
+@with_note(_PRECISION)
 def indexer_scores_at(q: Any, k: Any, w: Any, indices: Any) -> Any:
     """Indexer scores at the selected keys only, float32 [N, kk] (-inf at -1 slots).
 
@@ -74,11 +76,12 @@ def indexer_scores_at(q: Any, k: Any, w: Any, indices: Any) -> Any:
     w : array [N, H]           per-query head weights; must be finite.
     indices : int32 [N, kk]    the selection, -1 = skip; entries must be -1
                                or in [0, Nk) (checked first).
-    """ + _PRECISION
+    """
     backend, _, a = _prepare(q=q, k=k, w=w, indices=indices)
     return _impl(backend).indexer_scores_at(a["q"], a["k"], a["w"], a["indices"])
 
 
+@with_note(_PRECISION)
 def indexer_scores_at_backward(q: Any, k: Any, w: Any, indices: Any, dscores: Any) -> tuple[Any, Any, Any]:
     """Gradients of ``sum(I * dscores)`` over the valid slots (dscores at -1 slots is ignored).
 
@@ -98,7 +101,7 @@ def indexer_scores_at_backward(q: Any, k: Any, w: Any, indices: Any, dscores: An
     Determinism: dk is summed per key in ascending (query, slot, head) order
     from a key-major transpose of ``indices``, never with atomics, so it is
     bitwise identical run to run and for any thread count.
-    """ + _PRECISION
+    """
     backend, xp, a = _prepare(q=q, k=k, w=w, indices=indices, dscores=dscores)
     g = a["dscores"]
     check_ndim(g, 2, "dscores", "[N, kk]")
@@ -128,6 +131,7 @@ def _check_loss_inputs(scores_at: Any, probs: Any, xp: Any) -> None:
         raise ValueError(f"probs must be >= 0, got probs[{t}, {i}] = {float(probs_f[t, i])}")
 
 
+@with_note(_PRECISION)
 def indexer_kl_loss(scores_at: Any, probs: Any) -> tuple[Any, Any]:
     """KL loss of the indexer against the attention's probabilities, and its gradient.
 
@@ -152,7 +156,7 @@ def indexer_kl_loss(scores_at: Any, probs: Any) -> tuple[Any, Any]:
     Convention: a row with no valid slot or with zero target mass contributes
     loss 0 and gradient 0 but still counts in the mean (divides by N, all
     rows), so the loss of a batch is the plain average of its rows.
-    """ + _PRECISION
+    """
     backend, arrays = as_arrays(scores_at=scores_at, probs=probs)
     xp = xp_for(backend)
     scores_at, probs = xp.ascontiguousarray(arrays["scores_at"]), xp.ascontiguousarray(arrays["probs"])

@@ -20,6 +20,7 @@ from typing import Any
 from ..._backend import CPU, as_arrays, xp_for
 from ..._checks import (check_dtype, float_view, check_index_table, check_int, check_ndim, check_same,
                         check_scale, check_shape)
+from ..._docs import with_note
 from ..._dtypes import FLOAT_DTYPES, INDEX_DTYPES
 
 _PRECISION = """
@@ -93,6 +94,7 @@ def _impl(backend: str):
     return gpu
 
 
+@with_note(_PRECISION)
 def sparse_attention(q: Any, kv: Any, indices: Any, *, d_v: int = 512, scale: float | None = None,
                      return_probs: bool = False) -> tuple[Any, ...]:
     """Attention of each query over its selected keys only.
@@ -114,7 +116,7 @@ def sparse_attention(q: Any, kv: Any, indices: Any, *, d_v: int = 512, scale: fl
     probs : float32 [N, k]     (with ``return_probs``) attention probability at
                                each slot summed over heads: the target of
                                :func:`indexer_kl_loss`, made in the same pass.
-    """ + _PRECISION
+    """
     backend, arrays, d_v, scale = _prepare(d_v, scale, q=q, kv=kv, indices=indices)
     return_probs = _bool(return_probs, "return_probs")
     xp = xp_for(backend)
@@ -123,6 +125,7 @@ def sparse_attention(q: Any, kv: Any, indices: Any, *, d_v: int = 512, scale: fl
     return (out, lse, probs) if return_probs else (out, lse)
 
 
+@with_note(_PRECISION)
 def sparse_attention_backward(q: Any, kv: Any, indices: Any, out: Any, lse: Any, dout: Any, *,
                               d_v: int = 512, scale: float | None = None,
                               precise_dkv: bool = False) -> tuple[Any, Any]:
@@ -161,7 +164,12 @@ def sparse_attention_backward(q: Any, kv: Any, indices: Any, out: Any, lse: Any,
     lse is used in the compute dtype: with float64 inputs and the float32
     lse of the forward, gradients are accurate to about 1e-7 relative; a
     float64 lse gives float64 accuracy.
-    """ + _PRECISION
+
+    Memory (GPU kernels): the queries go in chunks whose dkv contributions
+    take a quarter of the free device memory, between 1 and 16 GiB; the
+    scratch is about 1.5x that. CuPy's memory pool keeps it for the next
+    call; ``cupy.get_default_memory_pool().free_all_blocks()`` gives it back.
+    """
     backend, arrays, d_v, scale = _prepare(d_v, scale, q=q, kv=kv, indices=indices, out=out, lse=lse,
                                            dout=dout)
     xp = xp_for(backend)
