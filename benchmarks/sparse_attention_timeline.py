@@ -51,9 +51,9 @@ def summarise(events: list[tuple[float, float, str, int]]) -> dict:
     they last, and the kernels that ended before and started after them."""
     if not events:
         return {"span_ms": 0.0, "idle_ms": 0.0, "overlap_ms": 0.0, "kernels": {}, "gaps": []}
+    events = sorted(events)  # by start: the sweep adds them in this order
     bounds = sorted({t for s, e, _, _ in events for t in (s, e)})
     running: dict[int, int] = {}  # event number -> stream, for the events covering the current interval
-    by_start = sorted(range(len(events)), key=lambda i: events[i][0])
     by_end = sorted(range(len(events)), key=lambda i: events[i][1])
     starts_at = ends_at = 0
     idle = overlap = 0.0
@@ -64,16 +64,15 @@ def summarise(events: list[tuple[float, float, str, int]]) -> dict:
             running.pop(by_end[ends_at], None)
             last_ended = events[by_end[ends_at]][2]
             ends_at += 1
-        while starts_at < len(by_start) and events[by_start[starts_at]][0] <= left:
-            i = by_start[starts_at]
-            if events[i][1] > left:
-                running[i] = events[i][3]
+        while starts_at < len(events) and events[starts_at][0] <= left:
+            if events[starts_at][1] > left:
+                running[starts_at] = events[starts_at][3]
             starts_at += 1
         width = right - left
         if not running:
             idle += width
             gaps.append({"at_ms": (left - bounds[0]) / 1e3, "ms": width / 1e3, "after": last_ended,
-                         "before": events[by_start[starts_at]][2]})
+                         "before": events[starts_at][2]})
         elif len(set(running.values())) > 1:
             overlap += width
         if len(running) == 1:
