@@ -21,14 +21,24 @@ query chunk timed, times the chunk count (--phases: only the named ones);
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. --impls times
 only the named hs rows (for A/B runs of one kernel; the flag alone, with
---breakdown, times only the phases). Indices: for query t, k keys drawn
-uniformly (with replacement) from [0, max(t + 1, k)): causal after the
-first k rows, no -1 slots.
+--breakdown, times only the phases).
+
+Indices (--table): "uniform" (default), for query t k keys drawn uniformly
+(with replacement) from [0, max(t + 1, k)); "indexer", the selection of
+hs.indexer_topk on random bf16 indexer inputs (H_I = 64, D = 128, weights
+N(0, 1 / H_I)) with query t at position max(t, k - 1), so that it selects
+from the same range, distinct keys, best first. Both are causal after the
+first k rows and have no -1 slots. The indexer's keys differ in their
+norm, and a key of larger norm scores higher for every query, so its table
+selects some keys far more often than others: the config records the
+largest count of one key and the share of the slots held by the 16384 most
+selected keys (19 MB of kv rows). The uniform table is the L2's worst case.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from time import perf_counter
 
 import numpy as np
 
@@ -47,6 +57,35 @@ def inputs(torch, n, h, k, seed=0):
     span = torch.clamp(torch.arange(1, n + 1, device="cuda"), min=k)[:, None]
     idx = (torch.rand((n, k), generator=gen, device="cuda") * span).floor_().to(torch.int32)
     return q, kv, dout, torch.minimum(idx, span.to(torch.int32) - 1)
+
+
+INDEXER_HEADS, INDEXER_DIM = 64, 128
+HOT_KEYS = 16384
+
+
+def indexer_table(cp, torch, hs, n, k, seed=0):
+    """int32 [n, k] (torch): hs.indexer_topk on random indexer inputs, query t
+    at position max(t, k - 1) (see the module's docstring)."""
+    from hyscale_core._dtypes import bfloat16
+
+    rng = cp.random.default_rng(seed)
+    q = rng.standard_normal((n, INDEXER_HEADS, INDEXER_DIM), dtype=cp.float32).astype(bfloat16)
+    keys = rng.standard_normal((n, INDEXER_DIM), dtype=cp.float32).astype(bfloat16)
+    w = rng.standard_normal((n, INDEXER_HEADS), dtype=cp.float32) / np.float32(np.sqrt(INDEXER_HEADS))
+    q_pos = cp.maximum(cp.arange(n, dtype=cp.int32), k - 1)
+    idx = hs.indexer_topk(q, keys, w, k, causal=True, q_pos=q_pos)
+    if int(idx.min()) < 0:
+        raise RuntimeError("the indexer table has -1 slots; N must be at least k")
+    return torch.from_dlpack(idx)
+
+
+def table_stats(torch, idx, n):
+    """How unevenly the table selects keys: the largest count of one key, and
+    the share of slots whose key is among the HOT_KEYS most selected."""
+    counts = torch.bincount(idx.reshape(-1).long(), minlength=n)
+    hot = torch.topk(counts, min(HOT_KEYS, n)).values.sum()
+    return {"max_key_count": int(counts.max()), "hot_keys": min(HOT_KEYS, n),
+            "hot_key_slot_share": round(float(hot) / idx.numel(), 4)}
 
 
 def to_cupy(cp, x, torch):
@@ -125,6 +164,14 @@ def backward_phases(cp, q, kv, idx, out, lse, dout, scale, repeats, only=None):
 def run_config(args, cp, torch, hs, n, h, rates):
     k, scale = args.topk, 1.0 / np.sqrt(D_QK)
     tq, tkv, tdout, tidx = inputs(torch, n, h, k)
+    if args.table == "indexer":
+        if n < k:
+            raise SystemExit(f"--table indexer needs N >= k, got N = {n}, k = {k}")
+        print(f"  N={n} h={h}: the indexer's table ...", end="", flush=True)
+        start = perf_counter()
+        tidx = indexer_table(cp, torch, hs, n, k)
+        print(f" {perf_counter() - start:.1f} s", flush=True)
+    stats = table_stats(torch, tidx, n)
     q, kv, dout, idx = (to_cupy(cp, x, torch) for x in (tq, tkv, tdout, tidx))
     fwd_flops = 2.0 * h * k * (D_QK + D_V) * n
     fwd_bytes = n * (k * D_QK * 2 + h * (D_QK + D_V) * 2)
@@ -158,7 +205,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
     if "torch fwd+bwd" in times:
         times["torch bwd"] = times.pop("torch fwd+bwd") - times["torch fwd"]
     phases = backward_phases(cp, q, kv, idx, out, lse, dout, scale, args.repeats, args.phases) if args.breakdown else {}
-    config = {"n": n, "h": h, "d_qk": D_QK, "d_v": D_V, "k": k, "dtype": "bfloat16"}
+    config = {"n": n, "h": h, "d_qk": D_QK, "d_v": D_V, "k": k, "dtype": "bfloat16", "table": args.table, **stats}
     rows = []
     for name, ms in times.items():
         kind = "bwd" if "bwd" in name else ("fwd+probs" if "probs" in name else "fwd")
@@ -190,6 +237,8 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--table", choices=("uniform", "indexer"), default="uniform",
+                        help="the index table (see above; default uniform)")
     parser.add_argument("--chunk", type=int, default=128, help="query chunk of the torch peer")
     parser.add_argument("--max-peer-n", type=int, default=131072, help="the torch peer runs up to this N")
     parser.add_argument("--breakdown", action="store_true", help="also time the backward's phases")
@@ -211,10 +260,10 @@ def main(argv=None) -> None:
         r["matmul_tflops"] = round(rates["flops"] / 1e12, 1)
         r["copy_gbs"] = round(rates["bytes"] / 1e9, 1)
     path = write_results("sparse_attention_gpu", gpu_device(), rows, Path(args.out) if args.out else None)
-    short = [{"N": r["config"]["n"], "h": r["config"]["h"], "impl": r["impl"], "ms": r["median_ms"],
+    short = [{"N": r["config"]["n"], "h": r["config"]["h"], "table": r["config"]["table"], "impl": r["impl"], "ms": r["median_ms"],
               "TFLOP/s": r.get("tflops", ""), "x_floor": r.get("x_floor", ""), "x_torch": r.get("x_torch") or ""}
              for r in rows]
-    print(table(short, ["N", "h", "impl", "ms", "TFLOP/s", "x_floor", "x_torch"]))
+    print(table(short, ["N", "h", "table", "impl", "ms", "TFLOP/s", "x_floor", "x_torch"]))
     print(f"wrote {path}")
 
 
