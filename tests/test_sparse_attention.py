@@ -714,3 +714,77 @@ def test_kernel_shapes_nan_stays_in_the_rows_it_reaches(kernel_backend, dtype):
     keys_of_2[indices[2][indices[2] >= 0]] = True
     assert np.isnan(to_host(dkv)[keys_of_2].astype(np.float64)).all()
     np.testing.assert_array_equal(_changed(dkv, base[1], 1), keys_of_2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 7), (5, 300), (3, 2048)])
+def test_gpu_table_flags_match_the_array_checks(index_dtype, shape):
+    """cuda/index_checks.cu flags an entry outside [-1, n_keys) in any row, and a
+    non-finite lse only on a row that selects a key, as the array checks do."""
+    import cupy
+
+    from hyscale_core.gpu.checks import table_flags
+
+    rng = np.random.default_rng(31)
+    n, k = shape
+    n_keys = 50
+    for trial in range(6):
+        indices = rng.integers(-1, n_keys, size=shape).astype(index_dtype)
+        lse = rng.standard_normal((n, 3)).astype(np.float32)
+        t = int(rng.integers(0, n))
+        if trial == 1:
+            indices[t, int(rng.integers(0, k))] = n_keys
+        if trial == 2:
+            indices[t, int(rng.integers(0, k))] = -2
+        if trial in (3, 4):
+            lse[t, int(rng.integers(0, 3))] = [np.nan, -np.inf][trial - 3]
+        if trial == 4:
+            indices[t] = -1  # a row that selects nothing may have any lse
+        if trial == 5:
+            indices[t, 0] = np.iinfo(index_dtype).max
+        out_of_range = bool(((indices < -1) | (indices >= n_keys)).any())
+        bad_lse = bool((~np.isfinite(lse) & (indices >= 0).any(axis=1)[:, None]).any())
+        assert table_flags(cupy.asarray(indices), n_keys, cupy.asarray(lse)) == (out_of_range, bad_lse)
+        assert table_flags(cupy.asarray(indices), n_keys) == (out_of_range, False)
+    assert table_flags(cupy.asarray(indices, order="F"), n_keys) is None or shape[0] == 1 or shape[1] == 1
+    assert table_flags(cupy.asarray(indices), n_keys, cupy.asarray(lse, dtype=cupy.float64)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_gpu_calls_name_the_bad_index_and_lse(index_dtype):
+    """The public calls on CuPy arrays report the same errors as on NumPy
+    arrays, the index range first, through the one-kernel checks and through
+    the array checks they fall back to (a Fortran-ordered table, float64 lse)."""
+    import cupy
+
+    q, kv, indices = make_inputs(np.random.default_rng(12), 3, 2, 4, 12, d_qk=16)
+    indices = indices.astype(index_dtype)
+    out, lse = hs.sparse_attention(q, kv, indices, d_v=8)
+    saved = dict(out=cupy.asarray(out), dout=cupy.asarray(np.ones_like(out)), d_v=8)
+    g = dict(q=cupy.asarray(q), kv=cupy.asarray(kv))
+    for layout in ("C", "F"):
+        for value, where in ((12, "1, 2"), (-2, "2, 1")):
+            bad = indices.copy()
+            bad[tuple(int(i) for i in where.split(", "))] = value
+            match = rf"indices\[{where}\] = {value} is out of range"
+            table = cupy.asarray(bad, order=layout)
+            with pytest.raises(ValueError, match=match):
+                hs.sparse_attention(**g, indices=table, d_v=8)
+            nan_lse = cupy.asarray(lse).copy()
+            nan_lse[0, 0] = cupy.nan
+            with pytest.raises(ValueError, match=match):  # the index error comes before the lse error
+                hs.sparse_attention_backward(**g, indices=table, lse=nan_lse, **saved)
+        for lse_dtype in (np.float32, np.float64):
+            bad_lse = lse.astype(lse_dtype)
+            bad_lse[1, 1] = np.nan
+            indices_ok = indices.copy()
+            indices_ok[1, 0] = 3  # row 1 selects a key
+            with pytest.raises(ValueError, match=r"lse must be finite on rows with a valid slot, got lse\[1, 1\]"):
+                hs.sparse_attention_backward(**g, indices=cupy.asarray(indices_ok, order=layout),
+                                             lse=cupy.asarray(bad_lse), **saved)
+            empty_row = indices.copy()
+            empty_row[1] = -1  # a row without keys may have any lse
+            hs.sparse_attention_backward(**g, indices=cupy.asarray(empty_row, order=layout),
+                                         lse=cupy.asarray(bad_lse), **saved)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from ..._backend import CPU, as_arrays, xp_for
 from ..._checks import (check_dtype, float_view, check_index_table, check_int, check_ndim, check_same,
                         check_scale, check_shape)
@@ -40,9 +42,11 @@ def _bool(value: Any, name: str) -> bool:
     return value
 
 
-def _prepare(d_v: Any, scale: Any, **named: Any) -> tuple[str, dict[str, Any], int, float]:
+def _prepare(d_v: Any, scale: Any, check_indices: bool = True,
+             **named: Any) -> tuple[str, dict[str, Any], int, float]:
     """Validate q, kv, indices, d_v and scale (plus whatever else ``named`` holds,
-    imported only); return ``(backend, arrays, d_v, scale)``."""
+    imported only; the index range only with ``check_indices``); return
+    ``(backend, arrays, d_v, scale)``."""
     backend, arrays = as_arrays(**named)
     q, kv, indices = arrays["q"], arrays["kv"], arrays["indices"]
     check_ndim(q, 3, "q", "[N, h, d_qk]")
@@ -57,12 +61,15 @@ def _prepare(d_v: Any, scale: Any, **named: Any) -> tuple[str, dict[str, Any], i
         raise ValueError(f"q needs at least one head and one feature, got shape {tuple(q.shape)}")
     d_v = check_int(d_v, "d_v", 1, q.shape[2])
     scale = check_scale(scale, 1.0 / math.sqrt(q.shape[2]))
-    check_index_table(indices, kv.shape[0], "indices", xp_for(backend))
+    if check_indices:
+        check_index_table(indices, kv.shape[0], "indices", xp_for(backend))
     return backend, arrays, d_v, scale
 
 
 def _check_saved(arrays: dict[str, Any], d_v: int, xp: Any) -> None:
-    """out, lse and dout match q and indices; lse is finite on rows that select a key."""
+    """out, lse and dout match q and indices; the index range (its error first);
+    lse is finite on rows that select a key. On the GPU, for int32 or int64
+    indices and float32 lse, both come from one kernel and one transfer."""
     n, n_h = arrays["q"].shape[:2]
     for name in ("out", "dout"):
         check_ndim(arrays[name], 3, name, "[N, h, d_v]")
@@ -72,11 +79,18 @@ def _check_saved(arrays: dict[str, Any], d_v: int, xp: Any) -> None:
     check_ndim(lse, 2, "lse", "[N, h]")
     check_dtype(lse, FLOAT_DTYPES, "lse")
     check_shape(lse, (n, n_h), "lse", "[N, h]")
-    if lse.size == 0:
+    indices, n_keys = arrays["indices"], arrays["kv"].shape[0]
+    flags = None
+    if xp is not np and lse.size:
+        from ...gpu.checks import table_flags
+
+        flags = table_flags(xp.ascontiguousarray(indices), n_keys, xp.ascontiguousarray(lse))
+    if flags is None or flags[0]:
+        check_index_table(indices, n_keys, "indices", xp)  # raises where an entry is out of range
+    if lse.size == 0 or (flags is not None and not flags[1]):
         return
     lse = float_view(lse, xp)
-    indices = arrays["indices"]
-    has_key = indices.max(axis=1) >= 0 if indices.shape[1] else xp.zeros(n, dtype=bool)  # entries are >= -1
+    has_key = indices.max(axis=1) >= 0 if indices.shape[1] else xp.zeros(n, dtype=bool)  # entries are >= -1 now
     bad = ~xp.isfinite(lse) & has_key[:, None]
     if bool(bad.any()):
         t, j = (int(i) for i in xp.argwhere(bad)[0])
@@ -170,8 +184,8 @@ def sparse_attention_backward(q: Any, kv: Any, indices: Any, out: Any, lse: Any,
     scratch is about 1.5x that. CuPy's memory pool keeps it for the next
     call; ``cupy.get_default_memory_pool().free_all_blocks()`` gives it back.
     """
-    backend, arrays, d_v, scale = _prepare(d_v, scale, q=q, kv=kv, indices=indices, out=out, lse=lse,
-                                           dout=dout)
+    backend, arrays, d_v, scale = _prepare(d_v, scale, check_indices=False, q=q, kv=kv, indices=indices, out=out,
+                                           lse=lse, dout=dout)
     xp = xp_for(backend)
     _check_saved(arrays, d_v, xp)
     names = ("q", "kv", "indices", "out", "lse", "dout")
