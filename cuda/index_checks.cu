@@ -1,23 +1,21 @@
 // The public calls' checks of an index table (and of the forward's lse) in one
 // pass, so that the host waits for the device once per call:
-//   flags[0] = 1 if an entry of indices [N, k] is < -1 or >= n_keys;
+//   flags[0] = 1 if an entry of the int32 indices [N, k] is < -1 or >= n_keys;
 //   flags[1] = 1 if a row that selects a key (an entry >= 0) has an entry of
 //              lse [N, h] that is not finite (lse == nullptr: not checked).
 // A flag is only ever set to 1 (atomicOr), so it does not depend on the order
 // of the CTAs. Grid: one CTA per row, THREADS threads; flags start at 0.
-#include "select.cuh"
 
 namespace {
-
 constexpr int THREADS = 256;
+}  // namespace
 
-template <typename I>
-__device__ __forceinline__ void check_row(const I* indices, int k, long long n_keys, const float* lse, int h,
-                                          int* flags) {
+extern "C" __global__ void __launch_bounds__(THREADS)
+hs_check_rows(const int* indices, int k, long long n_keys, const float* lse, int h, int* flags) {
     const long long t = blockIdx.x;
     bool out_of_range = false, selects = false;
     for (int i = threadIdx.x; i < k; i += THREADS) {
-        const long long s = (long long)indices[t * k + i];
+        const int s = indices[t * k + i];
         out_of_range |= s < -1 || s >= n_keys;
         selects |= s >= 0;
     }
@@ -33,14 +31,3 @@ __device__ __forceinline__ void check_row(const I* indices, int k, long long n_k
     }
 }
 
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(THREADS)
-hs_check_rows_i32(const int* indices, int k, long long n_keys, const float* lse, int h, int* flags) {
-    check_row(indices, k, n_keys, lse, h, flags);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS)
-hs_check_rows_i64(const long long* indices, int k, long long n_keys, const float* lse, int h, int* flags) {
-    check_row(indices, k, n_keys, lse, h, flags);
-}
