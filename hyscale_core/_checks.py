@@ -69,11 +69,13 @@ def check_index_table(indices: Any, n_keys: int, name: str, xp: Any) -> None:
     """
     if indices.size == 0:
         return
-    if xp is not np:  # CuPy: one kernel and one transfer where it takes the table
+    flags = None
+    if xp is not np:  # CuPy: one kernel and one transfer where it takes the table (gpu/checks.py)
         from .gpu.checks import table_flags
 
         flags = table_flags(indices, n_keys)
-        if flags is not None and not flags[0]:
+    if flags is not None:
+        if not flags[0]:
             return
     elif int(indices.min()) >= -1 and int(indices.max()) < n_keys:  # two reads of the table, no temporaries
         return

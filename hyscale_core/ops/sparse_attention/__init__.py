@@ -68,8 +68,8 @@ def _prepare(d_v: Any, scale: Any, check_indices: bool = True,
 
 def _check_saved(arrays: dict[str, Any], d_v: int, xp: Any) -> None:
     """out, lse and dout match q and indices; the index range (its error first);
-    lse is finite on rows that select a key. On the GPU, for int32 or int64
-    indices and float32 lse, both come from one kernel and one transfer."""
+    lse is finite on rows that select a key. On the GPU, for a C-contiguous
+    table and float32 lse, both come from one kernel and one transfer."""
     n, n_h = arrays["q"].shape[:2]
     for name in ("out", "dout"):
         check_ndim(arrays[name], 3, name, "[N, h, d_v]")
