@@ -17,7 +17,8 @@ rows), "hs bwd precise" the same with precise_dkv=True (float32 rows). With
 backward's three phases, the key sort alone (part of the third) and a plain
 write of the rows' bytes (the rows kernel's memory floor), from its first
 query chunk timed, times the chunk count (--phases: only the named ones);
-"hs bwd one stream" is the backward without its second stream. torch runs
+"hs bwd one stream" is the backward without SMs set aside for its per-key
+sums beside the dq kernel (--set-aside sets their number). torch runs
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. --impls times
 only the named hs rows (for A/B runs of one kernel; the flag alone, with
@@ -119,15 +120,15 @@ def torch_forward_backward(torch, q, kv, idx, dout, scale, chunk):
 
 
 def one_stream_backward(hs, q, kv, idx, out, lse, dout):
-    """The backward with every chunk's kernels on the current stream (no second
-    stream for the dkv rows and sums): what the overlap buys."""
+    """The backward with every chunk's kernels on the current stream (no SMs
+    set aside for the per-key sums): what running them beside the dq kernel buys."""
     from hyscale_core.ops.sparse_attention import gpu
 
-    overlap, gpu.OVERLAP_CHUNKS = gpu.OVERLAP_CHUNKS, False
+    spare, gpu.SET_ASIDE_SMS = gpu.SET_ASIDE_SMS, 0
     try:
         return hs.sparse_attention_backward(q, kv, idx, out, lse, dout)
     finally:
-        gpu.OVERLAP_CHUNKS = overlap
+        gpu.SET_ASIDE_SMS = spare
 
 
 PHASES = {"dq": "dq kernel", "rows": "dkv rows kernel", "sort": "key sort", "sums": "sort + per-key sums",
@@ -205,7 +206,10 @@ def run_config(args, cp, torch, hs, n, h, rates):
     if "torch fwd+bwd" in times:
         times["torch bwd"] = times.pop("torch fwd+bwd") - times["torch fwd"]
     phases = backward_phases(cp, q, kv, idx, out, lse, dout, scale, args.repeats, args.phases) if args.breakdown else {}
-    config = {"n": n, "h": h, "d_qk": D_QK, "d_v": D_V, "k": k, "dtype": "bfloat16", "table": args.table, **stats}
+    from hyscale_core.ops.sparse_attention import gpu
+
+    config = {"n": n, "h": h, "d_qk": D_QK, "d_v": D_V, "k": k, "dtype": "bfloat16", "table": args.table,
+              "set_aside_sms": gpu.SET_ASIDE_SMS, **stats}
     rows = []
     for name, ms in times.items():
         kind = "bwd" if "bwd" in name else ("fwd+probs" if "probs" in name else "fwd")
@@ -247,8 +251,15 @@ def main(argv=None) -> None:
                              "rows follow --max-peer-n)")
     parser.add_argument("--phases", nargs="+", default=None, choices=sorted(PHASES),
                         help="with --breakdown, only these phases (default: all)")
+    parser.add_argument("--set-aside", type=int, default=None,
+                        help="SMs the backward's per-key sums take beside the dq kernel (default: the library's "
+                             "SET_ASIDE_SMS; 0: one stream)")
     parser.add_argument("--out", default=None, help="folder of the results JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
+    from hyscale_core.ops.sparse_attention import gpu
+
+    if args.set_aside is not None:
+        gpu.SET_ASIDE_SMS = args.set_aside
     rates = {"flops": matmul_rate_tflops(torch) * 1e12, "bytes": copy_bandwidth_gbs() * 1e9}
     print(f"bf16 matmul {rates['flops'] / 1e12:.0f} TFLOP/s (8192^3), copy {rates['bytes'] / 1e9:.0f} GB/s",
           flush=True)

@@ -160,22 +160,16 @@ __device__ __forceinline__ void store_row(const float (&acc)[128], const float (
             store(DV + 8 * j + ln.cq, rope[4 * j + 2 * r] * scale, rope[4 * j + 2 * r + 1] * scale);
 }
 
-}  // namespace
-
-// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + KV_BYTES + IMAGE_BYTES
-// (the block's image: its ds tile, an operand of ds kv, then its p' tile).
-// Grid: C * groups CTAs over the chunk's queries (pointers start at its first
-// query). images: [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks
-// without a valid slot are not written.
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout, const float* lse,
-               u16* dq, unsigned char* images, int h, int k, float scale) {
-    __shared__ BwdShared sh;
+// Work item `item` (query t = item / groups, head group g = item % groups) of
+// sa_backward_dq.
+__device__ __forceinline__ void dq_item(BwdShared& sh, const u16* q, const u16* kv, const int* indices,
+                                        const u16* out, const u16* dout, const float* lse, u16* dq,
+                                        unsigned char* images, int h, int k, float scale, int item) {
     unsigned char* q_tile = aligned_dynamic_smem();
     unsigned char* do_tile = q_tile + Q_BYTES;
     unsigned char* kv_tile = do_tile + DO_BYTES;
     unsigned char* ds_tile = kv_tile + KV_BYTES;
-    const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
+    const int groups = (h + BH - 1) / BH, t = item / groups, g = item % groups;
     const int nb = (k + BK - 1) / BK;
     const Lane ln = lane_geometry();
     const float sl2 = scale * LOG2E;
@@ -184,7 +178,7 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
     cp_async_commit();
     row_stats(sh, out, dout, lse, t, g, h);
     const bool constant_p = one_key(sh, indices, t, k);
-    unsigned char* image = images + (size_t)blockIdx.x * nb * IMAGE_BYTES;
+    unsigned char* image = images + (size_t)item * nb * IMAGE_BYTES;
     float acc[128], rope[32];
     zero(acc);
     zero(rope);
@@ -240,6 +234,25 @@ sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, 
         store_row(acc, rope, r, scale, ln, [&](int c, float a, float v) {
             *reinterpret_cast<u32*>(dst + c) = pack_half2<F16>(a, v);
         });
+    }
+}
+
+}  // namespace
+
+// Dynamic shared memory: 1024 + Q_BYTES + DO_BYTES + KV_BYTES + IMAGE_BYTES
+// (the block's image: its ds tile, an operand of ds kv, then its p' tile).
+// Work items: C * groups (query, head group) pairs over the chunk's queries
+// (pointers start at its first query); CTA b takes items b, b + gridDim.x, ...
+// (any grid: one CTA per item, or fewer CTAs that leave SMs to other
+// kernels). images: [C * groups][ceil(k / 64)] blocks of IMAGE_BYTES; blocks
+// without a valid slot are not written.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+sa_backward_dq(const u16* q, const u16* kv, const int* indices, const u16* out, const u16* dout, const float* lse,
+               u16* dq, unsigned char* images, int h, int k, float scale, int items) {
+    __shared__ BwdShared sh;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        dq_item(sh, q, kv, indices, out, dout, lse, dq, images, h, k, scale, item);
+        __syncthreads();  // the tiles and sh are free for the next item
     }
 }
 
@@ -459,7 +472,90 @@ __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, 
     *dst = acc;
 }
 
+__device__ __forceinline__ uint4 load16(const void* p) {
+    uint4 v;  // streamed once: no L1 line, first out of the L2
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// The per-key sums of dkv_segments on a few SMs set aside beside the dq
+// kernel: at most one CTA per SM (SET_ASIDE_THREADS threads, more registers
+// than two such CTAs could share), each of LANES lanes of D / C threads, C =
+// 16 / sizeof(Row) columns per thread (one 16-byte load per row). Lane l of
+// CTA b takes keys b LANES + l, then every gridDim.x LANES keys after it. Each
+// thread keeps LOADS rows in flight and loads the pair numbers of the next
+// LOADS terms under them. The same adds in the same order as dkv_segments:
+// the same bits.
+constexpr int SET_ASIDE_THREADS = 720;
+
+template <typename Row>
+__device__ __forceinline__ void dkv_segments_set_aside(const Row* rows, const int* pairs, const int* starts, int k,
+                                                       int passes, int n_keys, float* dkv) {
+    constexpr int C = 16 / (int)sizeof(Row), PER_KEY = D / C, LANES = SET_ASIDE_THREADS / PER_KEY, LOADS = 8;
+    const int lane = threadIdx.x / PER_KEY, c = threadIdx.x % PER_KEY;
+    if (lane >= LANES) return;
+    const Row* column = rows + C * c;
+    auto row_of = [&](int first, int u) {  // the row of term u of a key whose pairs start at `first` (< 2^31)
+        const int pair = pairs[first + u / passes];
+        const int t = passes == 1 ? 0 : pair / k;
+        return (u32)(pair + t * (passes - 1) * k + (u % passes) * k);
+    };
+    for (int s = blockIdx.x * LANES + lane; s < n_keys; s += gridDim.x * LANES) {
+        const int first = starts[s], terms = (starts[s + 1] - first) * passes;
+        if (terms == 0) continue;  // a key no slot selected
+        float4* dst = reinterpret_cast<float4*>(dkv + (size_t)s * D + C * c);
+        float acc[C];
+        #pragma unroll
+        for (int i = 0; i < C / 4; ++i) {
+            const float4 a = dst[i];
+            acc[4 * i] = a.x;
+            acc[4 * i + 1] = a.y;
+            acc[4 * i + 2] = a.z;
+            acc[4 * i + 3] = a.w;
+        }
+        u32 next[LOADS];
+        #pragma unroll
+        for (int j = 0; j < LOADS; ++j) next[j] = row_of(first, min(j, terms - 1));
+        for (int u0 = 0; u0 < terms; u0 += LOADS) {
+            uint4 v[LOADS];
+            #pragma unroll
+            for (int j = 0; j < LOADS; ++j) v[j] = load16(column + (size_t)next[j] * D);
+            #pragma unroll
+            for (int j = 0; j < LOADS; ++j)  // past the end: a repeat, loaded but not added
+                next[j] = row_of(first, min(u0 + LOADS + j, terms - 1));
+            #pragma unroll
+            for (int j = 0; j < LOADS; ++j) {
+                if (u0 + j >= terms) break;
+                const u32 w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+                #pragma unroll
+                for (int i = 0; i < C; ++i) {
+                    if constexpr (sizeof(Row) == 2)
+                        acc[i] += __uint_as_float(i & 1 ? w[i / 2] & 0xFFFF0000u : w[i / 2] << 16);
+                    else
+                        acc[i] += __uint_as_float(w[i]);
+                }
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < C / 4; ++i) dst[i] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+    }
+}
+
 }  // namespace
+
+extern "C" __global__ void __launch_bounds__(SET_ASIDE_THREADS, 1)
+sa_dkv_segments_set_aside_f32(const float* rows, const int* pairs, const int* starts, int k, int passes, int n_keys,
+                              float* dkv) {
+    dkv_segments_set_aside(rows, pairs, starts, k, passes, n_keys, dkv);
+}
+
+extern "C" __global__ void __launch_bounds__(SET_ASIDE_THREADS, 1)
+sa_dkv_segments_set_aside_bf16(const u16* rows, const int* pairs, const int* starts, int k, int passes, int n_keys,
+                               float* dkv) {
+    dkv_segments_set_aside(rows, pairs, starts, k, passes, n_keys, dkv);
+}
 
 extern "C" __global__ void __launch_bounds__(D / 4, 8)
 sa_dkv_segments_f32(const float* rows, const int* pairs, const int* starts, int k, int passes, float* dkv) {

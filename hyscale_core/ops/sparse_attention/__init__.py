@@ -181,7 +181,7 @@ def sparse_attention_backward(q: Any, kv: Any, indices: Any, out: Any, lse: Any,
 
     Memory (GPU kernels): the queries go in chunks whose dkv contributions
     take a quarter of the free device memory, between 1 and 16 GiB; the
-    scratch is about 1.5x that. CuPy's memory pool keeps it for the next
+    scratch is about 1.25x that. CuPy's memory pool keeps it for the next
     call; ``cupy.get_default_memory_pool().free_all_blocks()`` gives it back.
     """
     backend, arrays, d_v, scale = _prepare(d_v, scale, check_indices=False, q=q, kv=kv, indices=indices, out=out,

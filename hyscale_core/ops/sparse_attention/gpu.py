@@ -39,12 +39,14 @@ block of 64 slots):
   of float32; ``precise_dkv`` keeps them float32) and float32 for float16
   inputs. Bitwise reproducible, and independent of the query chunking
   (``rows_budget``), since each key's running sum sees the same sequence of
-  adds. A chunk's dkv rows and sums run on a second stream while the
-  current stream runs the next chunk's dq kernel (``OVERLAP_CHUNKS``; the
-  same bits either way; two chunks' images held). Their scratch (the rows,
-  up to ``rows_budget()`` bytes, and the key table) is allocated on that stream, and
-  CuPy's stream-aware pool keeps freed blocks for the stream that freed
-  them: after a backward the pool holds them for the next one, and
+  adds. The dq kernel fills every SM, so the memory-bound sums cannot run
+  beside it unless SMs are kept for them: a chunk's sums run on a second
+  stream on ``SET_ASIDE_SMS`` SMs (one CTA each) while the next chunk's dq
+  kernel runs on the others (fewer CTAs than items, each taking items in
+  turn); the first dq kernel and the last sums take every SM (the same
+  bits on any schedule). The scratch (one rows buffer of up to
+  ``rows_budget()`` bytes, one chunk's images, two key tables) comes from
+  CuPy's pool, which keeps the blocks for the next backward;
   ``cupy.get_default_memory_pool().free_all_blocks()`` gives them back.
 """
 from __future__ import annotations
@@ -72,7 +74,7 @@ ROWS_BYTES = None  # bytes of the backward's dkv rows per query chunk; None: row
 MIN_ROWS_BYTES, MAX_ROWS_BYTES = 1 << 30, 16 << 30
 FREE_SHARE = 4  # rows_budget: at most a quarter of the free device memory
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
-OVERLAP_CHUNKS = True  # the backward's dkv rows and sums on a second stream, beside the next chunk's dq kernel
+SET_ASIDE_SMS = 16  # SMs the backward's per-key sums take beside the next chunk's dq kernel; 0: one stream
 
 
 def _defines(q, kv, d_v: int, scale: float) -> tuple[str, ...] | None:
@@ -162,8 +164,8 @@ def rows_budget() -> int:
     else a ``1 / FREE_SHARE`` share of the device memory free now (the driver's
     free bytes plus the blocks CuPy's pool holds unused), clamped to
     [MIN_ROWS_BYTES, MAX_ROWS_BYTES]. Fewer chunks mean fewer passes of the
-    per-key sums over the float32 dkv. The backward's scratch is about 1.5x
-    this: the rows, two chunks' images (0.22x each) and the key table."""
+    per-key sums over the float32 dkv. The backward's scratch is about 1.25x
+    this: the rows, one chunk's images (0.22x) and two key tables."""
     if ROWS_BYTES is not None:
         return ROWS_BYTES
     cp = cupy_module()
@@ -180,16 +182,19 @@ def query_chunks(n: int, rows_per_query: int, row_dtype):
         yield t0, min(n, t0 + step)
 
 
-def dq_and_images(q, kv, indices, out, dout, lse, dq, scale: float, defines: tuple[str, ...]):
+def dq_and_images(q, kv, indices, out, dout, lse, dq, scale: float, defines: tuple[str, ...], ctas: int | None = None):
     """sa_backward_dq on a chunk of queries (16-bit q, out, dout; float32 lse):
-    writes dq [C, h, 576] (uint16 bits) and returns the ds / p' images (uint8)."""
+    writes dq [C, h, 576] (uint16 bits) and returns the ds / p' images (uint8).
+    ``ctas``: at most this many CTAs, each taking (query, head group) items in
+    turn (default: one CTA per item)."""
     cp = cupy_module()
     (n, h, _), k = q.shape, indices.shape[1]
-    ctas = n * _groups(h)
-    images = cp.empty(ctas * -(-k // SLOTS_PER_BLOCK) * IMAGE_BYTES, dtype=cp.uint8)
+    items = n * _groups(h)
+    images = cp.empty(items * -(-k // SLOTS_PER_BLOCK) * IMAGE_BYTES, dtype=cp.uint8)
+    grid = items if ctas is None else max(1, min(items, ctas))
     _kernel("sa_backward_dq", SMEM_DQ, defines)(
-        (ctas,), (THREADS,), (_bits(q), _bits(kv), indices, _bits(out), _bits(dout), lse, dq, images, np.int32(h),
-                              np.int32(k), np.float32(scale)), shared_mem=SMEM_DQ)
+        (grid,), (THREADS,), (_bits(q), _bits(kv), indices, _bits(out), _bits(dout), lse, dq, images, np.int32(h),
+                              np.int32(k), np.float32(scale), np.int32(items)), shared_mem=SMEM_DQ)
     return images
 
 
@@ -197,15 +202,17 @@ def _row_suffix(rows) -> str:
     return "bf16" if rows.dtype == cupy_module().uint16 else "f32"
 
 
-def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...], row_dtype):
+def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...], row_dtype, rows=None):
     """sa_backward_dkv_rows{1,2}_{f32,bf16} on the chunk of ``dq_and_images``: [C * passes
     * k, 576] of ``row_dtype`` (float32, or uint16 holding bfloat16 bits), row (t * passes
     + p) * k + i = the dkv contribution of slot i of query t from the heads of pass p
-    (128 p .. 128 p + 127)."""
+    (128 p .. 128 p + 127). ``rows``: an array of that shape and dtype to write (default:
+    a new one)."""
     cp = cupy_module()
     (n, h, _), k = q.shape, indices.shape[1]
     groups, passes = _groups(h), head_passes(h)
-    rows = cp.empty((n * passes * k, D_QK), dtype=row_dtype)
+    if rows is None:
+        rows = cp.empty((n * passes * k, D_QK), dtype=row_dtype)
     for p in range(passes):
         gp = min(GROUPS_PER_PASS, groups - GROUPS_PER_PASS * p)
         smem = SMEM_DKV_ROWS[gp]
@@ -215,17 +222,35 @@ def dkv_rows(q, dout, indices, images, scale: float, defines: tuple[str, ...], r
     return rows
 
 
-def add_rows_by_key(indices, rows, passes: int, dkv, defines: tuple[str, ...]) -> None:
-    """dkv[s] += every row of the chunk whose slot selected key s, in ascending
-    (query, slot, pass) order, in float32. indices int32 [C, k]; rows [C * passes * k, 576]
-    as ``dkv_rows`` makes them."""
+SET_ASIDE_THREADS = 720  # cuda/sparse_attention_bwd.cu
+
+
+def sum_rows_by_key(rows, pairs, starts, k: int, passes: int, dkv, defines: tuple[str, ...],
+                    sms: int | None = None) -> None:
+    """dkv[s] += every row whose slot selected key s, in ascending (query, slot,
+    pass) order, in float32, from the key table of ``key_segments``; rows as
+    ``dkv_rows`` makes them. ``sms``: run on at most this many SMs (one CTA each,
+    every other SM free for another kernel); default: one CTA per key, all SMs.
+    The same bits either way."""
     n_keys = dkv.shape[0]
-    if n_keys == 0 or indices.size == 0:
+    if n_keys == 0 or rows.size == 0:
         return
-    pairs, starts = key_segments(indices, cupy_module().int32, n_keys)
-    k = indices.shape[1]
-    _kernel(f"sa_dkv_segments_{_row_suffix(rows)}", 0, defines)(
-        (n_keys,), (D_QK // 4,), (rows, pairs, starts, np.int32(k), np.int32(passes), dkv))
+    suffix = _row_suffix(rows)
+    if sms is None:
+        _kernel(f"sa_dkv_segments_{suffix}", 0, defines)(
+            (n_keys,), (D_QK // 4,), (rows, pairs, starts, np.int32(k), np.int32(passes), dkv))
+    else:
+        _kernel(f"sa_dkv_segments_set_aside_{suffix}", 0, defines)(
+            (sms,), (SET_ASIDE_THREADS,), (rows, pairs, starts, np.int32(k), np.int32(passes), np.int32(n_keys), dkv))
+
+
+def add_rows_by_key(indices, rows, passes: int, dkv, defines: tuple[str, ...]) -> None:
+    """dkv[s] += every row of the chunk whose slot selected key s (``sum_rows_by_key``
+    on all SMs, after sorting the chunk's int32 indices [C, k] by key)."""
+    if dkv.shape[0] == 0 or indices.size == 0:
+        return
+    pairs, starts = key_segments(indices, cupy_module().int32, dkv.shape[0])
+    sum_rows_by_key(rows, pairs, starts, indices.shape[1], passes, dkv, defines)
 
 
 def dkv_rows_dtype(q, precise_dkv: bool):
@@ -246,8 +271,8 @@ def backward_operands(q, kv, out, lse, dout, d_v: int, scale: float):
 
 def _side_stream(cp):
     """A second, non-blocking stream of the current device that takes each
-    chunk's dkv rows and per-key sums while the current stream runs the next
-    chunk's dq kernel (one per device, made on first use)."""
+    chunk's per-key sums while the current stream runs the next chunk's dq
+    kernel (one per device, made on first use)."""
     device = cp.cuda.Device().id
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = cp.cuda.Stream(non_blocking=True)
@@ -257,36 +282,59 @@ def _side_stream(cp):
 _SIDE_STREAMS: dict[int, object] = {}
 
 
+def set_aside_sms(chunks: int) -> int:
+    """SMs the per-key sums of a chunk keep beside the next chunk's dq kernel:
+    ``SET_ASIDE_SMS`` where there is a next chunk and it leaves the dq kernel
+    at least one SM, else 0 (the kernels run one after another on one stream)."""
+    sms = cupy_module().cuda.Device().attributes["MultiProcessorCount"]
+    return SET_ASIDE_SMS if chunks > 1 and 0 < SET_ASIDE_SMS < sms else 0
+
+
 def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float, precise_dkv: bool = False):
     operands = backward_operands(q, kv, out, lse, dout, d_v, scale)
     if operands is None:
         return gpu_fallback.sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale)
     defines, out16, dout16, lse32 = operands
     cp = cupy_module()
-    passes, rows_as = head_passes(q.shape[1]), dkv_rows_dtype(q, precise_dkv)
+    (n, h, _), k = q.shape, indices.shape[1]
+    passes, rows_as = head_passes(h), dkv_rows_dtype(q, precise_dkv)
     dq = cp.empty(q.shape, dtype=cp.uint16)
     if POISON_OUTPUTS:
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
+    chunks = list(query_chunks(n, passes * k, rows_as))
+    spare = set_aside_sms(len(chunks))
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     main = cp.cuda.get_current_stream()
-    side = _side_stream(cp) if OVERLAP_CHUNKS else main
-    # Chunk c's dkv rows and sums run on `side` after its dq kernel, beside
-    # chunk c + 1's dq kernel on `main`. The sums keep their order (one
-    # stream), so dkv is the same as on one stream. in_flight holds the images
-    # `side` still reads (at most two chunks'), each with the event after
-    # which `main` may reuse its memory.
-    in_flight = []
-    for t0, t1 in query_chunks(q.shape[0], passes * indices.shape[1], rows_as):
-        if len(in_flight) == 2:
-            main.wait_event(in_flight.pop(0)[0])  # the images of two chunks back are free after this
-        chunk = slice(t0, t1)
-        images = dq_and_images(q[chunk], kv, indices[chunk], out16[chunk], dout16[chunk], lse32[chunk], dq[chunk],
-                               scale, defines)
-        side.wait_event(main.record())
-        with side:
-            rows = dkv_rows(q[chunk], dout16[chunk], indices[chunk], images, scale, defines, rows_as)
-            add_rows_by_key(indices[chunk], rows, passes, dkv, defines)
-            in_flight.append((side.record(), images))
-        del rows, images
-    main.wait_event(side.record())
+    side = _side_stream(cp) if spare else main
+    rows = cp.empty((max((t1 - t0 for t0, t1 in chunks), default=0) * passes * k, D_QK), dtype=rows_as)
+    # Per chunk, on `main`: the dq kernel, the dkv rows, the key sort. The
+    # per-key sums go to `side` on `spare` SMs, beside the next chunk's dq
+    # kernel on the others; the first dq kernel and the last sums have all
+    # SMs. The sums keep their order (dkv's adds are the same on any
+    # schedule), and `main` waits for them before the next rows overwrite
+    # the one rows buffer. `held` keeps the key table `side` reads alive
+    # until then (CuPy's pool would hand it out again on `main`).
+    summed, held = None, None
+    for c, (t0, t1) in enumerate(chunks):
+        part = slice(t0, t1)
+        images = dq_and_images(q[part], kv, indices[part], out16[part], dout16[part], lse32[part], dq[part], scale,
+                               defines, ctas=sms - spare if spare and c > 0 else None)
+        if summed is not None:
+            main.wait_event(summed)
+        summed, held = None, None
+        chunk_rows = dkv_rows(q[part], dout16[part], indices[part], images, scale, defines, rows_as,
+                              rows=rows[: (t1 - t0) * passes * k])
+        del images
+        if dkv.shape[0] == 0 or k == 0:
+            continue  # no rows to add
+        pairs, starts = key_segments(indices[part], cp.int32, dkv.shape[0])
+        if spare and c + 1 < len(chunks):
+            side.wait_event(main.record())
+            with side:
+                sum_rows_by_key(chunk_rows, pairs, starts, k, passes, dkv, defines, sms=spare)
+                summed = side.record()
+            held = (pairs, starts)
+        else:
+            sum_rows_by_key(chunk_rows, pairs, starts, k, passes, dkv, defines)
     return dq.view(q.dtype), narrow(dkv, kv.dtype)
