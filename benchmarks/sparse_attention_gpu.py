@@ -209,7 +209,8 @@ def run_config(args, cp, torch, hs, n, h, rates):
     from hyscale_core.ops.sparse_attention import gpu
 
     config = {"n": n, "h": h, "d_qk": D_QK, "d_v": D_V, "k": k, "dtype": "bfloat16", "table": args.table,
-              "set_aside_sms": gpu.SET_ASIDE_SMS, **stats}
+              "set_aside_sms": getattr(gpu, "SET_ASIDE_SMS", None), "min_chunks": getattr(gpu, "MIN_CHUNKS", None),
+              **stats}
     rows = []
     for name, ms in times.items():
         kind = "bwd" if "bwd" in name else ("fwd+probs" if "probs" in name else "fwd")
@@ -254,12 +255,17 @@ def main(argv=None) -> None:
     parser.add_argument("--set-aside", type=int, default=None,
                         help="SMs the backward's per-key sums take beside the dq kernel (default: the library's "
                              "SET_ASIDE_SMS; 0: one stream)")
+    parser.add_argument("--min-chunks", type=int, default=None,
+                        help="the backward's query chunks at least where SMs are set aside (default: the library's "
+                             "MIN_CHUNKS)")
     parser.add_argument("--out", default=None, help="folder of the results JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
     from hyscale_core.ops.sparse_attention import gpu
 
     if args.set_aside is not None:
         gpu.SET_ASIDE_SMS = args.set_aside
+    if args.min_chunks is not None:
+        gpu.MIN_CHUNKS = args.min_chunks
     rates = {"flops": matmul_rate_tflops(torch) * 1e12, "bytes": copy_bandwidth_gbs() * 1e9}
     print(f"bf16 matmul {rates['flops'] / 1e12:.0f} TFLOP/s (8192^3), copy {rates['bytes'] / 1e9:.0f} GB/s",
           flush=True)

@@ -639,6 +639,8 @@ def test_rows_budget_takes_a_share_of_free_memory_within_its_bounds(kernels, mon
     monkeypatch.setattr(kernels, "ROWS_BYTES", 6 * per_query)  # two chunks of at most 6: split evenly
     assert list(kernels.query_chunks(7, 2048, np.uint16)) == [(0, 4), (4, 7)]
     assert list(kernels.query_chunks(0, 2048, np.uint16)) == []
+    assert list(kernels.query_chunks(7, 2048, np.uint16, at_least=3)) == [(0, 3), (3, 6), (6, 7)]
+    assert list(kernels.query_chunks(2, 2048, np.uint16, at_least=3)) == [(0, 1), (1, 2)]
 
 
 @pytest.mark.gpu

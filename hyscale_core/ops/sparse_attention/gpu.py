@@ -74,7 +74,8 @@ ROWS_BYTES = None  # bytes of the backward's dkv rows per query chunk; None: row
 MIN_ROWS_BYTES, MAX_ROWS_BYTES = 1 << 30, 16 << 30
 FREE_SHARE = 4  # rows_budget: at most a quarter of the free device memory
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
-SET_ASIDE_SMS = 16  # SMs the backward's per-key sums take beside the next chunk's dq kernel; 0: one stream
+SET_ASIDE_SMS = 24  # SMs the backward's per-key sums take beside the next chunk's dq kernel; 0: one stream
+MIN_CHUNKS = 8  # query chunks at least where SMs are set aside: the first chunk's sums are the only ones alone
 
 
 def _defines(q, kv, d_v: int, scale: float) -> tuple[str, ...] | None:
@@ -173,11 +174,13 @@ def rows_budget() -> int:
     return min(MAX_ROWS_BYTES, max(MIN_ROWS_BYTES, free // FREE_SHARE))
 
 
-def query_chunks(n: int, rows_per_query: int, row_dtype):
+def query_chunks(n: int, rows_per_query: int, row_dtype, at_least: int = 1):
     """Query ranges whose dkv rows (``rows_per_query`` rows [576] of ``row_dtype`` per query) fit
-    ``rows_budget()``: as few as fit, of equal length but for the last (no short tail chunk)."""
+    ``rows_budget()``: as few as fit but at least ``at_least`` (or n), of equal length but for
+    the last (no short tail chunk)."""
     most = max(1, rows_budget() // max(1, rows_per_query * D_QK * np.dtype(row_dtype).itemsize))
-    step = -(-n // -(-n // most)) if n else 1
+    count = max(-(-n // most), min(at_least, n))
+    step = -(-n // count) if n else 1
     for t0 in range(0, n, step):
         yield t0, min(n, t0 + step)
 
@@ -302,7 +305,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
     if POISON_OUTPUTS:
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
-    chunks = list(query_chunks(n, passes * k, rows_as))
+    chunks = list(query_chunks(n, passes * k, rows_as, at_least=MIN_CHUNKS if SET_ASIDE_SMS else 1))
     spare = set_aside_sms(len(chunks))
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     main = cp.cuda.get_current_stream()
