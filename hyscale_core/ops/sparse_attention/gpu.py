@@ -41,7 +41,7 @@ block of 64 slots):
   (``rows_budget``), since each key's running sum sees the same sequence of
   adds. The dq kernel fills every SM, so the memory-bound sums cannot run
   beside it unless SMs are kept for them: a chunk's sums run on a second
-  stream on ``SET_ASIDE_SMS`` SMs (one CTA each) while the next chunk's dq
+  stream on a few SMs (``set_aside_sms``, one CTA each) while the next chunk's dq
   kernel runs on the others (fewer CTAs than items, each taking items in
   turn); the first dq kernel and the last sums take every SM (the same
   bits on any schedule). The scratch (one rows buffer of up to
@@ -74,7 +74,7 @@ ROWS_BYTES = None  # bytes of the backward's dkv rows per query chunk; None: row
 MIN_ROWS_BYTES, MAX_ROWS_BYTES = 1 << 30, 16 << 30
 FREE_SHARE = 4  # rows_budget: at most a quarter of the free device memory
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
-SET_ASIDE_SMS = 24  # SMs the backward's per-key sums take beside the next chunk's dq kernel; 0: one stream
+SET_ASIDE_SMS = 24  # SMs the per-key sums take beside the next dq kernel at h <= 64 (set_aside_sms); 0: one stream
 MIN_CHUNKS = 8  # query chunks at least where SMs are set aside: the first chunk's sums are the only ones alone
 
 
@@ -285,12 +285,17 @@ def _side_stream(cp):
 _SIDE_STREAMS: dict[int, object] = {}
 
 
-def set_aside_sms(chunks: int) -> int:
-    """SMs the per-key sums of a chunk keep beside the next chunk's dq kernel:
-    ``SET_ASIDE_SMS`` where there is a next chunk and it leaves the dq kernel
-    at least one SM, else 0 (the kernels run one after another on one stream)."""
+def set_aside_sms(chunks: int, h: int) -> int:
+    """SMs the per-key sums of a chunk keep beside the next chunk's dq kernel, 0
+    where the kernels run one after another on one stream (a single chunk, or
+    ``SET_ASIDE_SMS`` = 0). ``SET_ASIDE_SMS`` is the count for one head group
+    and pass; the sums' bytes grow with the passes and the dq kernel's time
+    with the head groups, so the count scales by passes / groups (h = 128:
+    half). At least one SM, and one fewer than the device has."""
     sms = cupy_module().cuda.Device().attributes["MultiProcessorCount"]
-    return SET_ASIDE_SMS if chunks > 1 and 0 < SET_ASIDE_SMS < sms else 0
+    if chunks < 2 or SET_ASIDE_SMS <= 0:
+        return 0
+    return max(1, min(sms - 1, round(SET_ASIDE_SMS * head_passes(h) / _groups(h))))
 
 
 def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float, precise_dkv: bool = False):
@@ -306,7 +311,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
     chunks = list(query_chunks(n, passes * k, rows_as, at_least=MIN_CHUNKS if SET_ASIDE_SMS else 1))
-    spare = set_aside_sms(len(chunks))
+    spare = set_aside_sms(len(chunks), h)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     main = cp.cuda.get_current_stream()
     side = _side_stream(cp) if spare else main
