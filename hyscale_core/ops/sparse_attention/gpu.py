@@ -74,7 +74,8 @@ ROWS_BYTES = None  # bytes of the backward's dkv rows per query chunk; None: row
 MIN_ROWS_BYTES, MAX_ROWS_BYTES = 1 << 30, 16 << 30
 FREE_SHARE = 4  # rows_budget: at most a quarter of the free device memory
 POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so unwritten entries show
-SET_ASIDE_SMS = 24  # SMs the per-key sums take beside the next dq kernel at h <= 64 (set_aside_sms); 0: one stream
+SET_ASIDE_SMS = 24  # SMs of an H200's 132 the per-key sums take beside the next dq kernel at h <= 64; 0: one stream
+_SET_ASIDE_REFERENCE = 132  # SET_ASIDE_SMS scales by the device's SM count over this
 MIN_CHUNKS = 8  # query chunks at least where SMs are set aside: the first chunk's sums are the only ones alone
 
 
@@ -289,13 +290,15 @@ def set_aside_sms(chunks: int, h: int) -> int:
     """SMs the per-key sums of a chunk keep beside the next chunk's dq kernel, 0
     where the kernels run one after another on one stream (a single chunk, or
     ``SET_ASIDE_SMS`` = 0). ``SET_ASIDE_SMS`` is the count for one head group
-    and pass; the sums' bytes grow with the passes and the dq kernel's time
-    with the head groups, so the count scales by passes / groups (h = 128:
-    half). At least one SM, and one fewer than the device has."""
+    and pass on a device of 132 SMs; it scales with the device's SMs, and by
+    passes / groups, since the sums' bytes grow with the passes and the dq
+    kernel's time with the head groups (h = 128: half). At least one SM, and
+    one fewer than the device has."""
     sms = cupy_module().cuda.Device().attributes["MultiProcessorCount"]
     if chunks < 2 or SET_ASIDE_SMS <= 0:
         return 0
-    return max(1, min(sms - 1, round(SET_ASIDE_SMS * head_passes(h) / _groups(h))))
+    share = SET_ASIDE_SMS * sms / _SET_ASIDE_REFERENCE * head_passes(h) / _groups(h)
+    return max(1, min(sms - 1, round(share)))
 
 
 def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: float, precise_dkv: bool = False):
