@@ -40,11 +40,12 @@ block of 64 slots):
   inputs. Bitwise reproducible, and independent of the query chunking
   (``rows_budget``), since each key's running sum sees the same sequence of
   adds. The dq kernel fills every SM, so the memory-bound sums cannot run
-  beside it unless SMs are kept for them: a chunk's sums run on a second
-  stream on a few SMs (``set_aside_sms``, one CTA each) while the next chunk's dq
-  kernel runs on the others (fewer CTAs than items, each taking items in
-  turn); the first dq kernel and the last sums take every SM (the same
-  bits on any schedule). The scratch (one rows buffer of up to
+  beside it unless SMs are kept for them: a chunk's sums of bfloat16 rows
+  run on a second stream on a few SMs (``set_aside_sms``, one CTA each)
+  while the next chunk's dq kernel runs on the others (fewer CTAs than
+  items, each taking items in turn); the first dq kernel and the last sums
+  take every SM, and float32 rows run on one stream (``sets_aside``; the
+  same bits on any schedule). The scratch (one rows buffer of up to
   ``rows_budget()`` bytes, one chunk's images, two key tables) comes from
   CuPy's pool, which keeps the blocks for the next backward;
   ``cupy.get_default_memory_pool().free_all_blocks()`` gives them back.
@@ -286,6 +287,15 @@ def _side_stream(cp):
 _SIDE_STREAMS: dict[int, object] = {}
 
 
+def sets_aside(row_dtype) -> bool:
+    """Whether the backward sets SMs aside for the per-key sums: for bfloat16
+    rows. Float32 rows (``precise_dkv``, float16 inputs) have twice the bytes
+    to sum, and the bfloat16 count made that backward slower (578 ms against
+    556-559 at N = 131072, h = 64; 852 against 752-754 at h = 128); they run on
+    one stream until a count for them is measured."""
+    return SET_ASIDE_SMS > 0 and np.dtype(row_dtype).itemsize == 2
+
+
 def set_aside_sms(chunks: int, h: int) -> int:
     """SMs the per-key sums of a chunk keep beside the next chunk's dq kernel, 0
     where the kernels run one after another on one stream (a single chunk, or
@@ -313,8 +323,9 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
     if POISON_OUTPUTS:
         dq.fill(0xFFFF)
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
-    chunks = list(query_chunks(n, passes * k, rows_as, at_least=MIN_CHUNKS if SET_ASIDE_SMS else 1))
-    spare = set_aside_sms(len(chunks), h)
+    aside = sets_aside(rows_as)
+    chunks = list(query_chunks(n, passes * k, rows_as, at_least=MIN_CHUNKS if aside else 1))
+    spare = set_aside_sms(len(chunks), h) if aside else 0
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     main = cp.cuda.get_current_stream()
     side = _side_stream(cp) if spare else main
