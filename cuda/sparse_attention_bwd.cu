@@ -473,30 +473,32 @@ __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, 
 }
 
 __device__ __forceinline__ uint4 load16(const void* p) {
-    uint4 v;  // streamed once: no L1 line, first out of the L2
+    uint4 v;  // each row is read once: no L1 line
     asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
 }
 
-// The per-key sums of dkv_segments on a few SMs set aside beside the dq
-// kernel: at most one CTA per SM (SET_ASIDE_THREADS threads, more registers
-// than two such CTAs could share), each of LANES lanes of D / C threads, C =
-// 16 / sizeof(Row) columns per thread (one 16-byte load per row). Lane l of
-// CTA b takes keys b LANES + l, then every gridDim.x LANES keys after it. Each
+}  // namespace
+
+// The per-key sums of dkv_segments for bfloat16 rows on a few SMs set aside
+// beside the dq kernel: one CTA per SM (SET_ASIDE_THREADS threads at 78
+// registers; two do not fit one register file), each of LANES lanes of D / 8
+// threads, 8 columns per thread (one 16-byte load per row). Lane l of CTA b
+// takes keys b LANES + l, then every gridDim.x LANES keys after it. Each
 // thread keeps LOADS rows in flight and loads the pair numbers of the next
 // LOADS terms under them. The same adds in the same order as dkv_segments:
 // the same bits.
 constexpr int SET_ASIDE_THREADS = 720;
 
-template <typename Row>
-__device__ __forceinline__ void dkv_segments_set_aside(const Row* rows, const int* pairs, const int* starts, int k,
-                                                       int passes, int n_keys, float* dkv) {
-    constexpr int C = 16 / (int)sizeof(Row), PER_KEY = D / C, LANES = SET_ASIDE_THREADS / PER_KEY, LOADS = 8;
+extern "C" __global__ void __launch_bounds__(SET_ASIDE_THREADS, 1)
+sa_dkv_segments_set_aside_bf16(const u16* rows, const int* pairs, const int* starts, int k, int passes, int n_keys,
+                               float* dkv) {
+    constexpr int C = 8, PER_KEY = D / C, LANES = SET_ASIDE_THREADS / PER_KEY, LOADS = 8;
     const int lane = threadIdx.x / PER_KEY, c = threadIdx.x % PER_KEY;
     if (lane >= LANES) return;
-    const Row* column = rows + C * c;
+    const u16* column = rows + C * c;
     auto row_of = [&](int first, int u) {  // the row of term u of a key whose pairs start at `first` (< 2^31)
         const int pair = pairs[first + u / passes];
         const int t = passes == 1 ? 0 : pair / k;
@@ -530,31 +532,12 @@ __device__ __forceinline__ void dkv_segments_set_aside(const Row* rows, const in
                 if (u0 + j >= terms) break;
                 const u32 w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
                 #pragma unroll
-                for (int i = 0; i < C; ++i) {
-                    if constexpr (sizeof(Row) == 2)
-                        acc[i] += __uint_as_float(i & 1 ? w[i / 2] & 0xFFFF0000u : w[i / 2] << 16);
-                    else
-                        acc[i] += __uint_as_float(w[i]);
-                }
+                for (int i = 0; i < C; ++i) acc[i] += __uint_as_float(i & 1 ? w[i / 2] & 0xFFFF0000u : w[i / 2] << 16);
             }
         }
         #pragma unroll
         for (int i = 0; i < C / 4; ++i) dst[i] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
     }
-}
-
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(SET_ASIDE_THREADS, 1)
-sa_dkv_segments_set_aside_f32(const float* rows, const int* pairs, const int* starts, int k, int passes, int n_keys,
-                              float* dkv) {
-    dkv_segments_set_aside(rows, pairs, starts, k, passes, n_keys, dkv);
-}
-
-extern "C" __global__ void __launch_bounds__(SET_ASIDE_THREADS, 1)
-sa_dkv_segments_set_aside_bf16(const u16* rows, const int* pairs, const int* starts, int k, int passes, int n_keys,
-                               float* dkv) {
-    dkv_segments_set_aside(rows, pairs, starts, k, passes, n_keys, dkv);
 }
 
 extern "C" __global__ void __launch_bounds__(D / 4, 8)

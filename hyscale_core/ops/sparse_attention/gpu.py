@@ -234,18 +234,19 @@ def sum_rows_by_key(rows, pairs, starts, k: int, passes: int, dkv, defines: tupl
                     sms: int | None = None) -> None:
     """dkv[s] += every row whose slot selected key s, in ascending (query, slot,
     pass) order, in float32, from the key table of ``key_segments``; rows as
-    ``dkv_rows`` makes them. ``sms``: run on at most this many SMs (one CTA each,
-    every other SM free for another kernel); default: one CTA per key, all SMs.
-    The same bits either way."""
+    ``dkv_rows`` makes them. ``sms`` (bfloat16 rows only): run on at most this
+    many SMs (one CTA each, every other SM free for another kernel); default:
+    one CTA per key, all SMs. The same bits either way."""
     n_keys = dkv.shape[0]
     if n_keys == 0 or rows.size == 0:
         return
-    suffix = _row_suffix(rows)
     if sms is None:
-        _kernel(f"sa_dkv_segments_{suffix}", 0, defines)(
+        _kernel(f"sa_dkv_segments_{_row_suffix(rows)}", 0, defines)(
             (n_keys,), (D_QK // 4,), (rows, pairs, starts, np.int32(k), np.int32(passes), dkv))
     else:
-        _kernel(f"sa_dkv_segments_set_aside_{suffix}", 0, defines)(
+        if rows.dtype != cupy_module().uint16:
+            raise ValueError("the set-aside sums take bfloat16 rows")
+        _kernel("sa_dkv_segments_set_aside_bf16", 0, defines)(
             (sms,), (SET_ASIDE_THREADS,), (rows, pairs, starts, np.int32(k), np.int32(passes), np.int32(n_keys), dkv))
 
 
