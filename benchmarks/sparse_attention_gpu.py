@@ -29,11 +29,11 @@ Indices (--table): "uniform" (default), for query t k keys drawn uniformly
 hs.indexer_topk on random bf16 indexer inputs (H_I = 64, D = 128, weights
 N(0, 1 / H_I)) with query t at position max(t, k - 1), so that it selects
 from the same range, distinct keys, best first. Both are causal after the
-first k rows and have no -1 slots. The indexer's keys differ in their
-norm, and a key of larger norm scores higher for every query, so its table
-selects some keys far more often than others: the config records the
-largest count of one key and the share of the slots held by the 16384 most
-selected keys (19 MB of kv rows). The uniform table is the L2's worst case.
+first k rows and have no -1 slots. A key of larger norm scores higher for
+every query, so the indexer's table could favour some keys; with random
+keys it barely does (NOTES.md). The config records the largest count of one
+key and the share of the slots held by the 16384 most selected keys (19 MB
+of kv rows). The uniform table is the L2's worst case.
 """
 from __future__ import annotations
 
@@ -277,7 +277,8 @@ def main(argv=None) -> None:
         r["matmul_tflops"] = round(rates["flops"] / 1e12, 1)
         r["copy_gbs"] = round(rates["bytes"] / 1e9, 1)
     path = write_results("sparse_attention_gpu", gpu_device(), rows, Path(args.out) if args.out else None)
-    short = [{"N": r["config"]["n"], "h": r["config"]["h"], "table": r["config"]["table"], "impl": r["impl"], "ms": r["median_ms"],
+    short = [{"N": r["config"]["n"], "h": r["config"]["h"], "table": r["config"]["table"], "impl": r["impl"],
+              "ms": r["median_ms"],
               "TFLOP/s": r.get("tflops", ""), "x_floor": r.get("x_floor", ""), "x_torch": r.get("x_torch") or ""}
              for r in rows]
     print(table(short, ["N", "h", "table", "impl", "ms", "TFLOP/s", "x_floor", "x_torch"]))
