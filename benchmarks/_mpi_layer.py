@@ -71,7 +71,7 @@ def shape_argv(args: argparse.Namespace) -> list[str]:
 
 GEN_ROWS = 2048  # rows generated per block (bounds the uint64 temporaries)
 NAMES = ("ik", "kv", "iq", "iw", "q", "dout")
-WORKSPACE = 4 << 30  # the GPU backward's scratch, counted high (sparse_attention/gpu.py rows_budget: 1.5 GiB at least, more only from free memory)
+WORKSPACE = 4 << 30  # the GPU backward's scratch, counted high (sparse_attention/gpu.py rows_budget: 1 GiB of rows, 1.25 GiB of scratch at least, more only from free memory)
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 

@@ -625,6 +625,49 @@ def test_kernels_are_bitwise_reproducible_and_chunk_invariant(kernels, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("passes", [1, 2])
+def test_gpu_set_aside_sums_match_the_per_key_sums(passes):
+    """sa_dkv_segments_set_aside_bf16 on 1 and 3 SMs gives the bits of
+    sa_dkv_segments_bf16 (one CTA per key), and a float32 NumPy sum in the same
+    order: keys with 0, 1, 7, 8, 9, 63 and 300 terms per pass (its loads go
+    eight at a time), rows with NaN, +-inf and -0.0, one or two head passes."""
+    import cupy
+
+    from hyscale_core.gpu.segments import key_segments
+    from hyscale_core.ops.sparse_attention import gpu
+
+    rng = np.random.default_rng(41)
+    counts = [0, 1, 7, 8, 9, 63, 300, 2, 0, 5] + [3] * 15  # slots per key; 25 keys: a lane of 1 SM takes several
+    k, n_keys = 64, len(counts)
+    flat = np.full(-(-sum(counts) // k) * k, -1, dtype=np.int32)
+    flat[: sum(counts)] = rng.permutation(np.repeat(np.arange(n_keys, dtype=np.int32), counts))
+    indices = flat.reshape(-1, k)
+    rows = rng.standard_normal((indices.size * passes, D_QK)).astype(bfloat16)
+    rows[rng.integers(0, rows.shape[0], 6), rng.integers(0, D_QK, 6)] = [np.nan, np.inf, -np.inf, -0.0, np.nan, 0.0]
+    dkv0 = rng.standard_normal((n_keys, D_QK)).astype(np.float32)
+    pairs, starts = key_segments(cupy.asarray(indices), cupy.int32, n_keys)
+    bits = cupy.asarray(rows).view(cupy.uint16)
+    defines = ("HS_SA_F16=0",)
+    full = cupy.asarray(dkv0)
+    gpu.sum_rows_by_key(bits, pairs, starts, k, passes, full, defines)
+    expected = dkv0.copy()  # row (t * passes + p) * k + i for slot i of query t, passes in order
+    for t, i in sorted(zip(*np.nonzero(indices >= 0)), key=lambda ti: (indices[ti], ti[0], ti[1])):
+        for p in range(passes):
+            expected[indices[t, i]] += rows[(t * passes + p) * k + i].astype(np.float32)
+    got_full = cupy.asnumpy(full)
+    np.testing.assert_array_equal(np.isnan(got_full), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    assert same_bits(got_full[finite], expected[finite])
+    for sms in (1, 3):
+        aside = cupy.asarray(dkv0)
+        gpu.sum_rows_by_key(bits, pairs, starts, k, passes, aside, defines, sms=sms)
+        assert same_bits(aside, full)
+    with pytest.raises(ValueError, match="bfloat16 rows"):
+        gpu.sum_rows_by_key(cupy.zeros((indices.size * passes, D_QK), cupy.float32), pairs, starts, k, passes,
+                            cupy.asarray(dkv0), defines, sms=1)
+
+
+@pytest.mark.gpu
 def test_rows_budget_takes_a_share_of_free_memory_within_its_bounds(kernels, monkeypatch):
     import cupy
 

@@ -14,11 +14,16 @@ DIGIT_WIDTHS = (8, 9)  # the digit widths cuda/key_sort.cu is built for (HS_KS_B
 FILLER_KEY = 0x7FFFFFFF  # the sort buffer past the valid entries: sorts after every key
 
 
+def _key_bits(n_keys: int) -> int:
+    """Bits of the largest key, n_keys - 1 (at least one)."""
+    return max(1, int(n_keys - 1).bit_length())
+
+
 def digit_width(n_keys: int) -> int:
     """The digit width of the sort for keys in [0, n_keys): the one of DIGIT_WIDTHS that
     needs the fewest passes, the narrower where they tie (9-bit digits sort 2**17 and
     2**18 keys in two passes, not three; a narrower digit writes longer runs per tile)."""
-    key_bits = max(1, int(n_keys - 1).bit_length())
+    key_bits = _key_bits(n_keys)
     return min(DIGIT_WIDTHS, key=lambda bits: (-(-key_bits // bits), bits))
 
 
@@ -58,7 +63,7 @@ def key_segments(indices, dtype, n_keys: int):
     if n == 0:
         return cp.zeros(0, dtype=dtype), cp.zeros(n_keys + 1, dtype=dtype)
     bits = digit_width(n_keys)
-    shifts = range(0, max(1, int(n_keys - 1).bit_length()), bits)
+    shifts = range(0, _key_bits(n_keys), bits)
     keys, positions = cp.ascontiguousarray(indices.reshape(-1), dtype=cp.int32), None
     # The first pass fills the front of buffer 0 and leaves its filler tail, which
     # the later passes (every entry kept) carry along as the largest key.

@@ -297,15 +297,14 @@ def sets_aside(row_dtype) -> bool:
     return SET_ASIDE_SMS > 0 and np.dtype(row_dtype).itemsize == 2
 
 
-def set_aside_sms(chunks: int, h: int) -> int:
+def set_aside_sms(chunks: int, h: int, sms: int) -> int:
     """SMs the per-key sums of a chunk keep beside the next chunk's dq kernel, 0
     where the kernels run one after another on one stream (a single chunk, or
     ``SET_ASIDE_SMS`` = 0). ``SET_ASIDE_SMS`` is the count for one head group
     and pass on a device of 132 SMs; it scales with the device's SMs, and by
     passes / groups, since the sums' bytes grow with the passes and the dq
     kernel's time with the head groups (h = 128: half). At least one SM, and
-    one fewer than the device has."""
-    sms = cupy_module().cuda.Device().attributes["MultiProcessorCount"]
+    one fewer than the device has (``sms``)."""
     if chunks < 2 or SET_ASIDE_SMS <= 0:
         return 0
     share = SET_ASIDE_SMS * sms / _SET_ASIDE_REFERENCE * head_passes(h) / _groups(h)
@@ -326,8 +325,8 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
     dkv = cp.zeros(kv.shape, dtype=cp.float32)
     aside = sets_aside(rows_as)
     chunks = list(query_chunks(n, passes * k, rows_as, at_least=MIN_CHUNKS if aside else 1))
-    spare = set_aside_sms(len(chunks), h) if aside else 0
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    spare = set_aside_sms(len(chunks), h, sms) if aside else 0
     main = cp.cuda.get_current_stream()
     side = _side_stream(cp) if spare else main
     rows = cp.empty((max((t1 - t0 for t0, t1 in chunks), default=0) * passes * k, D_QK), dtype=rows_as)
