@@ -68,8 +68,9 @@ def _prepare(d_v: Any, scale: Any, check_indices: bool = True,
 
 def _check_saved(arrays: dict[str, Any], d_v: int, xp: Any) -> None:
     """out, lse and dout match q and indices; the index range (its error first);
-    lse is finite on rows that select a key. On the GPU, for a C-contiguous
-    table and float32 lse, both come from one kernel and one transfer."""
+    lse is finite on rows that select a key. On the GPU (the arrays made
+    C-contiguous by the caller), for float32 lse, both come from one kernel and
+    one transfer."""
     n, n_h = arrays["q"].shape[:2]
     for name in ("out", "dout"):
         check_ndim(arrays[name], 3, name, "[N, h, d_v]")
@@ -84,7 +85,7 @@ def _check_saved(arrays: dict[str, Any], d_v: int, xp: Any) -> None:
     if xp is not np and lse.size:
         from ...gpu.checks import table_flags
 
-        flags = table_flags(xp.ascontiguousarray(indices), n_keys, xp.ascontiguousarray(lse))
+        flags = table_flags(indices, n_keys, lse)
     if flags is None or flags[0]:
         check_index_table(indices, n_keys, "indices", xp)  # raises where an entry is out of range
     if lse.size == 0 or (flags is not None and not flags[1]):
@@ -187,8 +188,8 @@ def sparse_attention_backward(q: Any, kv: Any, indices: Any, out: Any, lse: Any,
     backend, arrays, d_v, scale = _prepare(d_v, scale, check_indices=False, q=q, kv=kv, indices=indices, out=out,
                                            lse=lse, dout=dout)
     xp = xp_for(backend)
+    arrays = {name: xp.ascontiguousarray(a) for name, a in arrays.items()}
     _check_saved(arrays, d_v, xp)
-    names = ("q", "kv", "indices", "out", "lse", "dout")
-    q, kv, indices, out, lse, dout = (xp.ascontiguousarray(arrays[n]) for n in names)
+    q, kv, indices, out, lse, dout = (arrays[n] for n in ("q", "kv", "indices", "out", "lse", "dout"))
     return _impl(backend).sparse_attention_backward(q, kv, indices, out, lse, dout, d_v, scale,
                                                     precise_dkv=_bool(precise_dkv, "precise_dkv"))
