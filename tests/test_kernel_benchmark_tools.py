@@ -1,6 +1,7 @@
 """The kernel benchmarks' CPU-side tools: the A/B variants still find the
-kernel code they rewrite, and ncu_regions splits a source view where the
-warps synchronise."""
+kernel code they rewrite, ncu_regions splits a source view where the
+warps synchronise, and the slot orders of sparse_attention_order keep each
+row's keys (with torch only)."""
 from __future__ import annotations
 
 import shutil
@@ -61,3 +62,15 @@ def test_timeline_sums_idle_overlap_and_alone_time():
     assert got["kernels"]["dq"] == {"launches": 2, "total_ms": 0.015, "alone_ms": 0.011}
     assert got["kernels"]["rows"] == {"launches": 1, "total_ms": 0.006, "alone_ms": 0.002}
     assert got["gaps"] == [{"at_ms": 0.012, "ms": 0.003, "after": "rows", "before": "dq"}]
+
+
+def test_slot_orders_keep_each_rows_keys():
+    torch = pytest.importorskip("torch")
+    from benchmarks import sparse_attention_order as order
+
+    idx = torch.tensor([[5, 3, -1, 1], [7, 2, 9, 0], [4, 4, 1, 8], [-1, -1, -1, -1]], dtype=torch.int32)
+    assert order.sorted_rows(torch, idx).tolist() == [[1, 3, 5, -1], [0, 2, 7, 9], [1, 4, 4, 8], [-1, -1, -1, -1]]
+    # row t rotated left by floor(t k / Q) mod v slots among its v keys; -1 slots stay last
+    swept = order.swept_rows(torch, idx, 2).tolist()
+    assert swept == [[1, 3, 5, -1], [7, 9, 0, 2], [1, 4, 4, 8], [-1, -1, -1, -1]]
+    assert order.ordered(torch, idx, "given") is idx
