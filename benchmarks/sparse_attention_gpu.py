@@ -8,9 +8,9 @@ that backward. Floor: the larger of the FLOPs at the bf16 matmul rate and
 the gathered kv bytes (k d_qk 2 per query, read once for all heads) plus q
 and out at the copy bandwidth, both rates measured in the same run.
 
-Rows: "hs fwd" is the kernel forward without probs (the backend call with
-want_probs=False, so without the public call's argument checks); "hs
-fwd+probs" the public call with return_probs=True (a second pass recomputes
+Rows: "hs fwd" is the public call without probs (its argument checks
+included; the backend then skips the probs pass); "hs fwd+probs" the public
+call with return_probs=True (a second pass recomputes
 the logits once lse is known); "hs bwd" the public backward (bfloat16 dkv
 rows), "hs bwd precise" the same with precise_dkv=True (float32 rows). With
 --breakdown, "hs bwd phase: ..." rows estimate each of the default
