@@ -12,11 +12,12 @@ Rows: "hs fwd" is the public call without probs (its argument checks
 included; the backend then skips the probs pass); "hs fwd+probs" the public
 call with return_probs=True (a second pass recomputes the logits once lse
 is known); "hs bwd" the public backward (bfloat16 dkv rows), "hs bwd
-precise" the same with precise_dkv=True (float32 rows). With --breakdown, "hs bwd phase: ..." rows estimate each of the default
-backward's three phases, the key sort alone (part of the third) and a plain
-write of the rows' bytes (the rows kernel's memory floor), from its first
-query chunk timed, times the chunk count (--phases: only the named ones);
-"hs bwd one stream" is the backward without SMs set aside for its per-key
+precise" the same with precise_dkv=True (float32 rows). With --breakdown,
+"hs bwd phase: ..." rows estimate each of the default backward's three
+phases, the key sort alone (part of the third) and a plain write of the
+rows' bytes (the rows kernel's memory floor), from its first query chunk
+timed, times the chunk count (--phases: only the named ones); "hs bwd one
+stream" is the backward without SMs set aside for its per-key
 sums beside the dq kernel (--set-aside sets their number). torch runs
 chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. --impls times
