@@ -17,9 +17,9 @@ precise" the same with precise_dkv=True (float32 rows). With --breakdown,
 phases, the key sort alone (part of the third) and a plain write of the
 rows' bytes (the rows kernel's memory floor), from its first query chunk
 timed, times the chunk count (--phases: only the named ones); "hs bwd one
-stream" is the backward without SMs set aside for its per-key
-sums beside the dq kernel (--set-aside sets their number). torch runs
-chunked over queries (the gathered [C, k, 576] block bounds memory); "torch
+stream" is the backward without SMs set aside for its per-key sums beside
+the dq kernel (--set-aside sets their number). torch runs chunked over
+queries (the gathered [C, k, 576] block bounds memory); "torch
 bwd" is its forward + autograd backward minus its forward. --impls times
 only the named hs rows (for A/B runs of one kernel; the flag alone, with
 --breakdown, times only the phases).
