@@ -1,9 +1,11 @@
 """The kernel benchmarks' CPU-side tools: the A/B variants still find the
 kernel code they rewrite, ncu_regions splits a source view where the
-warps synchronise, and the slot orders of sparse_attention_order keep each
-row's keys (with torch only)."""
+warps synchronise, the slot orders of sparse_attention_order keep each
+row's keys (with torch only), and ab_runs alternates trees and merges their
+rows."""
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -74,3 +76,39 @@ def test_slot_orders_keep_each_rows_keys():
     swept = order.swept_rows(torch, idx, 2).tolist()
     assert swept == [[1, 3, 5, -1], [7, 9, 0, 2], [1, 4, 4, 8], [-1, -1, -1, -1]]
     assert order.ordered(torch, idx, "given") is idx
+
+
+FAKE_BENCH = '''
+import argparse, json, os
+from pathlib import Path
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", type=int)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    tree = Path(__file__).resolve().parent.parent.name
+    rows = [{"bench": "fake", "config": {"n": args.size}, "impl": "hs", "median_ms": float(len(tree))}]
+    payload = {"device": "none", "date": "today", "commit": os.environ.get("HYSCALE_COMMIT", "checkout"), "rows": rows}
+    Path(args.out, "fake.json").write_text(json.dumps(payload))
+
+main()
+'''
+
+
+def test_ab_runs_alternates_the_trees_and_merges_their_rows(tmp_path, capsys):
+    from benchmarks import ab_runs
+
+    for name in ("one", "three"):
+        (tmp_path / name / "benchmarks").mkdir(parents=True)
+        (tmp_path / name / "benchmarks" / "__init__.py").write_text("")
+        (tmp_path / name / "benchmarks" / "fake.py").write_text(FAKE_BENCH)
+    ab_runs.main(["--tree", f"a={tmp_path / 'one'}@c0ffee", "--tree", f"b={tmp_path / 'three'}", "--rounds", "2",
+                  "--out", str(tmp_path / "merged"), "--", "fake", "--size", "7"])
+    merged = json.loads((tmp_path / "merged" / "fake_ab.json").read_text())
+    assert [(r["tree"], r["round"], r["median_ms"]) for r in merged["rows"]] == [
+        ("a", 1, 3.0), ("b", 1, 5.0), ("a", 2, 3.0), ("b", 2, 5.0)]
+    assert merged["commits"] == {"a": "c0ffee", "b": "checkout"} and merged["command"] == "fake --size 7"
+    assert "3 / 3" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="LABEL=PATH"):
+        ab_runs.main(["--tree", "nolabel", "--", "fake"])
