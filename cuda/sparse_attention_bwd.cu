@@ -427,11 +427,19 @@ __device__ __forceinline__ float4 load4(const u16* row, int c) {
                        __uint_as_float(v.y & 0xFFFF0000u));
 }
 
+// The row of term u (u / passes: the pair, u % passes: the pass) of a key
+// whose pairs start at pairs[first]: pair e = t * k + i (query t of the
+// chunk, slot i, < 2^31) has rows (t * passes + p) * k + i, p ascending.
+__device__ __forceinline__ u32 term_row(const int* pairs, int first, int u, int passes, int k) {
+    const int pair = pairs[first + u / passes];
+    const int t = passes == 1 ? 0 : pair / k;  // one pass: the row is the pair
+    return (u32)(pair + t * (passes - 1) * k + (u % passes) * k);
+}
+
 // dkv[s, :] += the rows of key s's pairs, pairs[starts[s]] .. pairs[starts[s +
-// 1] - 1] one after another: pair e is pairs[e] = t * k + i < 2^31 (query t
-// of the chunk, slot i); its rows (t * passes + p) * k + i, p ascending,
-// follow each other. One CTA of D / 4 threads per key (4 columns each). The
-// CTA turns D / 4 pairs at a time into row numbers in shared memory, then
+// 1] - 1] one after another, each pair's passes in order (term_row). One CTA
+// of D / 4 threads per key (4 columns each). The CTA turns D / 4 terms at a
+// time into row numbers in shared memory, then
 // each thread keeps LOADS rows in flight (16 bytes each for float32 rows, 8
 // for bfloat16) and adds them in order into float32; no atomics.
 template <typename Row>
@@ -447,11 +455,7 @@ __device__ __forceinline__ void dkv_segments(const Row* rows, const int* pairs, 
     for (int base = 0; base < terms; base += BATCH) {
         const int n = min(BATCH, terms - base);
         __syncthreads();  // the previous batch's row numbers are read
-        if (c < n) {
-            const int u = base + c, pair = pairs[first + u / passes];
-            const int t = passes == 1 ? 0 : pair / k;  // one pass: the row is the pair
-            row_of[c] = pair + t * (passes - 1) * k + (u % passes) * k;
-        }
+        if (c < n) row_of[c] = (int)term_row(pairs, first, base + c, passes, k);
         __syncthreads();
         for (int j0 = 0; j0 < n; j0 += LOADS) {
             float4 v[LOADS];
@@ -499,11 +503,6 @@ sa_dkv_segments_set_aside_bf16(const u16* rows, const int* pairs, const int* sta
     const int lane = threadIdx.x / PER_KEY, c = threadIdx.x % PER_KEY;
     if (lane >= LANES) return;
     const u16* column = rows + C * c;
-    auto row_of = [&](int first, int u) {  // the row of term u of a key whose pairs start at `first` (< 2^31)
-        const int pair = pairs[first + u / passes];
-        const int t = passes == 1 ? 0 : pair / k;
-        return (u32)(pair + t * (passes - 1) * k + (u % passes) * k);
-    };
     for (int s = blockIdx.x * LANES + lane; s < n_keys; s += gridDim.x * LANES) {
         const int first = starts[s], terms = (starts[s + 1] - first) * passes;
         if (terms == 0) continue;  // a key no slot selected
@@ -519,14 +518,14 @@ sa_dkv_segments_set_aside_bf16(const u16* rows, const int* pairs, const int* sta
         }
         u32 next[LOADS];
         #pragma unroll
-        for (int j = 0; j < LOADS; ++j) next[j] = row_of(first, min(j, terms - 1));
+        for (int j = 0; j < LOADS; ++j) next[j] = term_row(pairs, first, min(j, terms - 1), passes, k);
         for (int u0 = 0; u0 < terms; u0 += LOADS) {
             uint4 v[LOADS];
             #pragma unroll
             for (int j = 0; j < LOADS; ++j) v[j] = load16(column + (size_t)next[j] * D);
             #pragma unroll
             for (int j = 0; j < LOADS; ++j)  // past the end: a repeat, loaded but not added
-                next[j] = row_of(first, min(u0 + LOADS + j, terms - 1));
+                next[j] = term_row(pairs, first, min(u0 + LOADS + j, terms - 1), passes, k);
             #pragma unroll
             for (int j = 0; j < LOADS; ++j) {
                 if (u0 + j >= terms) break;
