@@ -89,6 +89,11 @@ def table_stats(torch, idx, n):
             "hot_key_slot_share": round(float(hot) / idx.numel(), 4)}
 
 
+def forward_flops(n: int, h: int, k: int) -> float:
+    """The forward's FLOPs as FlashMLA counts them: 2 h k (d_qk + d_v) per query (the backward: 2.5x)."""
+    return 2.0 * h * k * (D_QK + D_V) * n
+
+
 def to_cupy(cp, x, torch):
     """Zero-copy CuPy view of a torch tensor (bf16 through its bits)."""
     from hyscale_core._dtypes import bfloat16
@@ -174,7 +179,7 @@ def run_config(args, cp, torch, hs, n, h, rates):
         print(f" {perf_counter() - start:.1f} s", flush=True)
     stats = table_stats(torch, tidx, n)
     q, kv, dout, idx = (to_cupy(cp, x, torch) for x in (tq, tkv, tdout, tidx))
-    fwd_flops = 2.0 * h * k * (D_QK + D_V) * n
+    fwd_flops = forward_flops(n, h, k)
     fwd_bytes = n * (k * D_QK * 2 + h * (D_QK + D_V) * 2)
     floors = {"fwd": max(fwd_flops / rates["flops"], fwd_bytes / rates["bytes"]) * 1e3}
     floors["fwd+probs"] = floors["fwd"]

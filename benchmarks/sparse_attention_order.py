@@ -23,7 +23,7 @@ import argparse
 from pathlib import Path
 
 from .common import gpu_device, table, time_gpu, write_results
-from .sparse_attention_gpu import D_QK, D_V, inputs, to_cupy
+from .sparse_attention_gpu import forward_flops, inputs, to_cupy
 
 
 def sorted_rows(torch, idx):
@@ -58,7 +58,7 @@ def ordered(torch, idx, order: str):
 def run_config(args, cp, torch, hs, n, h):
     tq, tkv, tdout, tidx = inputs(torch, n, h, args.topk)
     q, kv, dout = (to_cupy(cp, x, torch) for x in (tq, tkv, tdout))
-    fwd_flops = 2.0 * h * args.topk * (D_QK + D_V) * n
+    fwd_flops = forward_flops(n, h, args.topk)
     rows = []
     for order in args.orders:
         idx = to_cupy(cp, ordered(torch, tidx, order).contiguous(), torch)
