@@ -74,16 +74,13 @@ def as_array(x: Any, name: str) -> tuple[str, Any]:
 
 
 def as_arrays(**named: Any) -> tuple[str, dict[str, Any]]:
-    """Import several arguments; they must all live on one backend.
-
-    ``None`` values pass through unchanged and do not vote on the backend.
-    """
+    """Import several arguments (each required: ``None`` is a TypeError naming
+    it); they must all live on one backend."""
     arrays: dict[str, Any] = {}
     backends: dict[str, str] = {}
     for name, value in named.items():
         if value is None:
-            arrays[name] = None
-            continue
+            raise TypeError(f"{name} must be an array, got None")
         backends[name], arrays[name] = as_array(value, name)
     chosen = set(backends.values())
     if len(chosen) > 1:

@@ -45,8 +45,10 @@ def check_same(name_a: str, value_a: int, name_b: str, value_b: int, what: str) 
         raise ValueError(f"{what} mismatch: {name_a} has {value_a}, {name_b} has {value_b}")
 
 
-def check_scale(scale: Any, default: float) -> float:
-    """``scale`` as a finite positive Python float; ``None`` gives ``default``."""
+def check_scale(scale: Any, default: float, taken_as: Any = np.float64) -> float:
+    """``scale`` as a finite positive Python float, also once rounded to
+    ``taken_as`` (the dtype the computation takes it in); ``None`` gives
+    ``default``."""
     if scale is None:
         return float(default)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
@@ -54,6 +56,11 @@ def check_scale(scale: Any, default: float) -> float:
     value = float(scale)
     if not (np.isfinite(value) and value > 0.0):
         raise ValueError(f"scale must be finite and positive, got {value!r}")
+    with np.errstate(over="ignore", under="ignore"):
+        rounded = float(np.dtype(taken_as).type(value))
+    if not (np.isfinite(rounded) and rounded > 0.0):
+        raise ValueError(f"scale must be finite and positive in {np.dtype(taken_as).name}, the precision it is "
+                         f"taken in, got {value!r}")
     return value
 
 
@@ -99,13 +106,20 @@ def float_view(a: Any, xp: Any) -> Any:
     return a
 
 
-def check_finite(a: Any, name: str, xp: Any) -> None:
-    """Every entry of the float array ``a`` is finite; names the first that is not."""
+def check_finite(a: Any, name: str, xp: Any, taken_as: Any = None) -> None:
+    """Every entry of the float array ``a`` is finite, also once rounded to
+    ``taken_as`` (the dtype the computation takes ``a`` in; float64 values
+    past float32's range are infinite there); names the first that is not."""
     if a.size == 0:
         return
     a = float_view(a, xp)
-    finite = xp.isfinite(a)
+    with np.errstate(over="ignore"):  # the overflow is what is looked for
+        rounded = a if taken_as is None else a.astype(taken_as, copy=False)
+    finite = xp.isfinite(rounded)
     if not bool(finite.all()):
         pos = tuple(int(i) for i in xp.argwhere(~finite)[0])
         where = ", ".join(str(i) for i in pos)
-        raise ValueError(f"{name} must be finite, got {name}[{where}] = {float(a[pos])}")
+        value = float(a[pos])
+        beyond = f" in {np.dtype(taken_as).name}, the precision it is taken in" if np.isfinite(value) else ""
+        raise ValueError(f"{name} must be finite{beyond}, got {name}[{where}] = {value}")
+

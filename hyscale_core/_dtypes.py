@@ -24,3 +24,9 @@ def dtype_names(dtypes: tuple[np.dtype, ...]) -> str:
 def is_float(dtype) -> bool:
     """Whether ``dtype`` is one of the float dtypes (bfloat16 has kind 'V')."""
     return np.dtype(dtype) in FLOAT_DTYPES
+
+
+def compute_dtype(*arrays) -> np.dtype:
+    """The dtype a computation on ``arrays`` runs in (sparse attention, the
+    indexer loss): float64 when every one is float64, float32 otherwise."""
+    return np.dtype(np.float64 if all(a.dtype == np.float64 for a in arrays) else np.float32)

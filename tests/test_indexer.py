@@ -170,6 +170,10 @@ def _bad(**changes):
         (_bad(q_pos=np.arange(9)), ValueError, "q_pos has 9 entries but q has 10"),
         (_bad(q_pos=np.arange(10) + 3), ValueError, r"q_pos\[9\] = 12 is outside the key range"),
         (_bad(q_pos=np.arange(10.0)), TypeError, "q_pos must hold integers"),
+        (_bad(q_pos=np.array([2**64 - 1] + [0] * 9, np.uint64)), ValueError,
+         r"q_pos\[0\] = 18446744073709551615 is past int64"),
+        (_bad(cu_seqlens=np.array([0, 2**63, 12], np.uint64)), ValueError,
+         r"cu_seqlens\[1\] = 9223372036854775808 is past int64"),
         (_bad(cu_seqlens=np.array([0, 5, 11])), ValueError, "cu_seqlens must start at 0 and end at Nk=12"),
         (_bad(cu_seqlens=np.array([0, 8, 5, 12])), ValueError, "cu_seqlens must be non-decreasing"),
         (_bad(cu_seqlens=np.array([12])), ValueError, "cu_seqlens needs at least 2 entries"),
@@ -189,6 +193,30 @@ def test_non_finite_weights_are_rejected(value):
         hs.indexer_topk(**args)
     with pytest.raises(ValueError, match="w must be finite"):
         hs.indexer_scores(args["q"], args["k"], args["w"])
+
+
+def test_weights_past_float32_are_rejected():
+    """w is taken in float32: a float64 weight beyond its range would be inf there (NaN scores)."""
+    args = _bad()
+    args["w"] = args["w"].astype(np.float64)
+    args["w"][2, 1] = 1e39
+    with pytest.raises(ValueError, match=r"w must be finite in float32, .* got w\[2, 1\] = 1e\+39"):
+        hs.indexer_topk(**args)
+    with pytest.raises(ValueError, match=r"w must be finite in float32"):
+        hs.indexer_scores(args["q"], args["k"], args["w"])
+    args["w"][2, 1] = 3e38  # within float32's range
+    assert hs.indexer_topk(**args).shape == (10, 4)
+
+
+@pytest.mark.parametrize("mask", [{}, dict(causal=False), dict(cu_seqlens=np.array([0, 1, 8, 12]))])
+def test_topk_zero(mask):
+    """topk = 0 gives empty [Nq, 0] results, as topk(indexer_scores(...), 0) does."""
+    args = _bad(topk=0, return_scores=True, **mask)
+    selection, picked = hs.indexer_topk(**args)
+    assert selection.shape == picked.shape == (10, 0)
+    assert (selection.dtype, picked.dtype) == (np.int32, np.float32)
+    values, indices = hs.topk(hs.indexer_scores(args["q"], args["k"], args["w"], **mask), 0)
+    assert values.shape == indices.shape == (10, 0)
 
 
 def test_more_queries_than_keys_needs_q_pos():

@@ -73,6 +73,16 @@ def assert_streaming_equals_materialised(q, k, w, topk, mask):
     assert same_bits(picked, expect.astype(np.float32))
 
 
+@pytest.mark.parametrize("heads, dim", [(64, 128), (4, 32)], ids=["fused", "fallback"])
+def test_topk_zero(heads, dim):
+    """topk = 0: empty [Nq, 0] results from the fused kernel's shapes and from gpu_fallback's."""
+    (q, k, w), _ = device_inputs(300, 300, heads, dim)
+    selection, picked = hs.indexer_topk(q, k, w, 0, return_scores=True)
+    assert selection.shape == picked.shape == (300, 0)
+    assert (selection.dtype, picked.dtype) == (np.int32, np.float32)
+    assert_streaming_equals_materialised(q, k, w, 0, {})
+
+
 @pytest.mark.parametrize("heads, dim", [(64, 128), (32, 256), (8, 64)])
 @pytest.mark.parametrize("topk", [2049, 2528, 2529, 4096])
 def test_streaming_equals_materialised_above_2048(heads, dim, topk):

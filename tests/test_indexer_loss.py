@@ -436,6 +436,37 @@ def test_bad_loss_arguments_name_the_argument(scores, probs, error, match):
         hs.indexer_kl_loss(scores, probs)
 
 
+def test_values_past_float32_are_rejected_where_the_call_runs_in_float32():
+    """Float64 values beyond float32's range are infinite in a float32 call
+    (w, dscores with float32 q and k; scores_at, probs unless both are float64):
+    errors, not NaN or a silently skipped slot. In a float64 call they are taken."""
+    args = _bad()
+    args["w"] = args["w"].astype(np.float64)
+    args["w"][1, 0] = 1e39
+    with pytest.raises(ValueError, match=r"w must be finite in float32, .* got w\[1, 0\] = 1e\+39"):
+        hs.indexer_scores_at(**args)
+    dscores = np.zeros((3, 4))
+    dscores[2, 3] = -1e39
+    with pytest.raises(ValueError, match=r"dscores must be finite in float32, .* got dscores\[2, 3\] = -1e\+39"):
+        hs.indexer_scores_at_backward(**_bad(), dscores=dscores)
+    wide = {name: a.astype(np.float64) if name != "indices" else a for name, a in args.items()}
+    assert np.isfinite(hs.indexer_scores_at_backward(**wide, dscores=dscores)[2]).all()
+    probs = np.ones((1, 2), np.float32)
+    for value in (1e39, -1e39):
+        scores = np.array([[value, 0.0]])
+        with pytest.raises(ValueError, match=r"scores_at must be finite or -inf \(skipped slot\) in float32"):
+            hs.indexer_kl_loss(scores, probs)
+        loss, dscores_at = hs.indexer_kl_loss(scores, probs.astype(np.float64))
+        assert np.isfinite(loss) and loss > 1e38 and np.isfinite(dscores_at).all()
+    with pytest.raises(ValueError, match=r"probs must be finite in float32, .* got probs\[0, 1\] = 1e\+39"):
+        hs.indexer_kl_loss(np.zeros((1, 2), np.float32), np.array([[1.0, 1e39]]))
+
+
+def test_missing_dscores_is_named():
+    with pytest.raises(TypeError, match="dscores must be an array, got None"):
+        hs.indexer_scores_at_backward(**_bad(), dscores=None)
+
+
 # --- GPU kernels (cuda/indexer_loss*.cu) ---------------------------------------------------------------------
 
 GPU_DTYPES = [pytest.param(bfloat16, id="bfloat16"), pytest.param(np.dtype(np.float32), id="float32")]

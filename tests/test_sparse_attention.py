@@ -419,6 +419,8 @@ FORWARD_ERRORS = [
     (_bad(scale=float("inf")), ValueError, "scale must be finite and positive, got inf"),
     (_bad(scale="0.1"), TypeError, "scale must be a real number or None, got '0.1'"),
     (_bad(scale=True), TypeError, "scale must be a real number or None, got True"),
+    (_bad(scale=1e300), ValueError, "scale must be finite and positive in float32, .* got 1e[+]300"),
+    (_bad(scale=1e-50), ValueError, "scale must be finite and positive in float32, .* got 1e-50"),
 ]
 
 
@@ -430,6 +432,23 @@ def test_bad_arguments_name_the_argument(args, error, match):
                  dout=np.zeros((3, 2, 8), np.float32))
     with pytest.raises(error, match=match):
         hs.sparse_attention_backward(**args, **saved)
+
+
+def test_a_scale_float64_holds_is_taken_with_float64_inputs():
+    """scale = 1e300 overflows float32 (rejected above) but not the float64 the
+    call runs in when q and kv are float64: the larger logit takes all the weight."""
+    q = np.array([[[1.0, -1.0]]])
+    kv = np.array([[1.0, 0.0], [0.0, 1.0]])
+    out, lse = hs.sparse_attention(q, kv, np.array([[0, 1]], np.int32), d_v=2, scale=1e300)
+    np.testing.assert_array_equal(out, [[[1.0, 0.0]]])
+    assert np.isposinf(lse[0, 0])  # lse is float32 whatever the inputs (Precision): 1e300 is past its range
+
+
+def test_missing_saved_tensors_are_named():
+    args = _saved()
+    for name in ("out", "lse", "dout"):
+        with pytest.raises(TypeError, match=f"{name} must be an array, got None"):
+            hs.sparse_attention_backward(**{**args, name: None})
 
 
 def test_return_probs_must_be_a_bool():

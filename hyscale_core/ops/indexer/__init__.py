@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..._backend import CPU, as_arrays, xp_for
-from ..._checks import check_dtype, check_int, check_ndim, check_same, float_view
+from ..._checks import check_dtype, check_finite, check_int, check_ndim, check_same
 from ..._docs import with_note
 from ..._dtypes import FLOAT_DTYPES, INDEXER_DTYPES
 from .ranges import candidate_ranges
@@ -50,11 +52,7 @@ def _prepare(q, k, w, causal, q_pos, cu_seqlens):
         if size < 1:
             raise ValueError(f"{name} must be at least 1, got shapes q {tuple(q.shape)}, k {tuple(k.shape)}")
     causal = _bool(causal, "causal")
-    xp = xp_for(backend)
-    w_f = float_view(w, xp)
-    if w.size and not bool(xp.isfinite(w_f).all()):
-        bad = tuple(int(i) for i in xp.argwhere(~xp.isfinite(w_f))[0])
-        raise ValueError(f"w must be finite, got w[{bad[0]}, {bad[1]}] = {float(w_f[bad])}")
+    check_finite(w, "w", xp_for(backend), taken_as=np.float32)
     lo, hi = candidate_ranges(q.shape[0], k.shape[0], causal, q_pos, cu_seqlens)
     return backend, q, k, w, lo, hi
 
@@ -78,7 +76,7 @@ def indexer_scores(q: Any, k: Any, w: Any, *, causal: bool = True, q_pos: Any = 
     ----------
     q : array [Nq, H, D]      indexer queries.
     k : array [Nk, D]         indexer keys (shared by all heads).
-    w : array [Nq, H]         per-query head weights; must be finite.
+    w : array [Nq, H]         per-query head weights; must be finite (in float32).
     causal : bool             a query sees keys at positions <= its own.
     q_pos : int array [Nq]    each query's position in the key axis; default
                               the last Nq positions (Nq == Nk: self-attention).

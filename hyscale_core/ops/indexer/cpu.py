@@ -182,6 +182,9 @@ def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool) -> tuple[np.ndar
     n_q = q.shape[0]
     out_idx = np.empty((n_q, topk), dtype=np.int32)
     out_bits = np.empty((n_q if want_scores else 1, topk), dtype=np.uint32)
+    scores = out_bits.view(np.float32) if want_scores else None
+    if n_q == 0 or topk == 0:  # nothing to select (the prunes need room for at least one pick)
+        return out_idx, scores
     cap = 2 * topk + 64
     for t0, t1, tiles in _blocks(q, k, w, lo, hi):
         buf_bits = np.empty((t1 - t0, cap), dtype=np.uint32)
@@ -192,4 +195,4 @@ def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool) -> tuple[np.ndar
             stream_tile(tile.view(np.uint32), s0, topk, buf_bits, buf_idx, count, thr)
         scores_block = out_bits[t0:t1] if want_scores else out_bits
         finish(buf_bits, buf_idx, count, topk, out_idx[t0:t1], scores_block, want_scores)
-    return out_idx, (out_bits.view(np.float32) if want_scores else None)
+    return out_idx, scores

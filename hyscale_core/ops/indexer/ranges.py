@@ -22,6 +22,9 @@ def _host_ints(x: Any, name: str) -> np.ndarray:
         x = x.get()
     if x.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+    if x.dtype.kind == "u" and x.size and int(x.max()) > np.iinfo(np.int64).max:  # would wrap in int64
+        pos = tuple(int(i) for i in np.argwhere(x > np.iinfo(np.int64).max)[0])
+        raise ValueError(f"{name}[{', '.join(map(str, pos))}] = {int(x[pos])} is past int64: no key position")
     return x.astype(np.int64)
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..._backend import CPU, as_arrays, xp_for
 from ..._checks import check_dtype, check_finite, check_index_table, check_ndim, check_same, check_shape, float_view
 from ..._docs import with_note
-from ..._dtypes import FLOAT_DTYPES, INDEX_DTYPES, INDEXER_DTYPES
+from ..._dtypes import FLOAT_DTYPES, INDEX_DTYPES, INDEXER_DTYPES, compute_dtype
 
 _PRECISION = """
     Precision: inputs may be float16, bfloat16 (ml_dtypes), float32 or
@@ -60,7 +62,7 @@ def _prepare(**named: Any) -> tuple[str, Any, dict[str, Any]]:
     if q.shape[1] < 1 or q.shape[2] < 1:
         raise ValueError(f"q needs at least one head and one feature, got shape {tuple(q.shape)}")
     xp = xp_for(backend)
-    check_finite(w, "w", xp)
+    check_finite(w, "w", xp, taken_as=compute_dtype(q, k))
     check_index_table(indices, k.shape[0], "indices", xp)
     return backend, xp, {name: xp.ascontiguousarray(a) for name, a in arrays.items()}
 
@@ -73,7 +75,8 @@ def indexer_scores_at(q: Any, k: Any, w: Any, indices: Any) -> Any:
     ----------
     q : array [N, H, D]        indexer queries.
     k : array [Nk, D]          indexer keys (shared by all heads).
-    w : array [N, H]           per-query head weights; must be finite.
+    w : array [N, H]           per-query head weights; must be finite (in the
+                               dtype the call runs in, see Precision).
     indices : int32 [N, kk]    the selection, -1 = skip; entries must be -1
                                or in [0, Nk) (checked first).
     """
@@ -88,7 +91,7 @@ def indexer_scores_at_backward(q: Any, k: Any, w: Any, indices: Any, dscores: An
     Parameters
     ----------
     q, k, w, indices : as given to :func:`indexer_scores_at`.
-    dscores : array [N, kk]    finite; e.g. the second result of :func:`indexer_kl_loss`.
+    dscores : array [N, kk]    finite (as w); e.g. the second result of :func:`indexer_kl_loss`.
 
     Returns
     -------
@@ -107,7 +110,7 @@ def indexer_scores_at_backward(q: Any, k: Any, w: Any, indices: Any, dscores: An
     check_ndim(g, 2, "dscores", "[N, kk]")
     check_dtype(g, FLOAT_DTYPES, "dscores")
     check_shape(g, a["indices"].shape, "dscores", "[N, kk]")
-    check_finite(g, "dscores", xp)
+    check_finite(g, "dscores", xp, taken_as=compute_dtype(a["q"], a["k"]))
     return _impl(backend).indexer_scores_at_backward(a["q"], a["k"], a["w"], a["indices"], g)
 
 
@@ -119,13 +122,18 @@ def _check_loss_inputs(scores_at: Any, probs: Any, xp: Any) -> None:
     check_same("scores_at", scores_at.shape[0], "probs", probs.shape[0], "query count N")
     check_same("scores_at", scores_at.shape[1], "probs", probs.shape[1], "slot count kk")
     scores_f, probs_f = float_view(scores_at, xp), float_view(probs, xp)
+    taken_as = compute_dtype(scores_at, probs)
     if scores_at.size:
-        bad = xp.isnan(scores_f) | xp.isposinf(scores_f)
+        with np.errstate(over="ignore"):  # a float64 score past float32's range: the overflow is looked for
+            rounded = scores_f.astype(taken_as, copy=False)
+        bad = xp.isnan(rounded) | xp.isposinf(rounded) | (xp.isneginf(rounded) & ~xp.isneginf(scores_f))
         if bool(bad.any()):
             t, i = (int(j) for j in xp.argwhere(bad)[0])
-            raise ValueError(f"scores_at must be finite or -inf (skipped slot), got scores_at[{t}, {i}] = "
-                             f"{float(scores_f[t, i])}")
-    check_finite(probs, "probs", xp)
+            value = float(scores_f[t, i])
+            beyond = f" in {taken_as.name}, the precision it is taken in" if np.isfinite(value) else ""
+            raise ValueError(f"scores_at must be finite or -inf (skipped slot){beyond}, got scores_at[{t}, {i}] = "
+                             f"{value}")
+    check_finite(probs, "probs", xp, taken_as=taken_as)
     if probs.size and bool((probs_f < 0).any()):
         t, i = (int(j) for j in xp.argwhere(probs_f < 0)[0])
         raise ValueError(f"probs must be >= 0, got probs[{t}, {i}] = {float(probs_f[t, i])}")

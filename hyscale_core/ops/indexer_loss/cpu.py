@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..sparse_attention.cpu import SLOT_BLOCK, compute_dtype, gather_dots, valid_slots
+from ..._dtypes import compute_dtype
+from ..sparse_attention.cpu import SLOT_BLOCK, gather_dots, valid_slots
 from ..sparse_attention.keymajor import FMA, accumulate_by_key, flush, key_major, rows_per_chunk
 
 

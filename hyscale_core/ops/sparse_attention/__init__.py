@@ -23,7 +23,7 @@ from ..._backend import CPU, as_arrays, xp_for
 from ..._checks import (check_dtype, float_view, check_index_table, check_int, check_ndim, check_same,
                         check_scale, check_shape)
 from ..._docs import with_note
-from ..._dtypes import FLOAT_DTYPES, INDEX_DTYPES
+from ..._dtypes import FLOAT_DTYPES, INDEX_DTYPES, compute_dtype
 
 _PRECISION = """
     Precision: q and kv may be float16, bfloat16 (ml_dtypes), float32 or
@@ -60,7 +60,7 @@ def _prepare(d_v: Any, scale: Any, check_indices: bool = True,
     if q.shape[1] < 1 or q.shape[2] < 1:
         raise ValueError(f"q needs at least one head and one feature, got shape {tuple(q.shape)}")
     d_v = check_int(d_v, "d_v", 1, q.shape[2])
-    scale = check_scale(scale, 1.0 / math.sqrt(q.shape[2]))
+    scale = check_scale(scale, 1.0 / math.sqrt(q.shape[2]), taken_as=compute_dtype(q, kv))
     if check_indices:
         check_index_table(indices, kv.shape[0], "indices", xp_for(backend))
     return backend, arrays, d_v, scale
@@ -121,7 +121,8 @@ def sparse_attention(q: Any, kv: Any, indices: Any, *, d_v: int = 512, scale: fl
     indices : int32 [N, k]     selected keys per query, -1 = skip; entries
                                must be -1 or in [0, N_kv) (checked first).
     d_v : int                  value width, 1 <= d_v <= d_qk (default 512).
-    scale : float or None      logit scale, finite and > 0; default 1/sqrt(d_qk).
+    scale : float or None      logit scale, finite and > 0 (also once rounded to
+                               the dtype the call runs in); default 1/sqrt(d_qk).
     return_probs : bool        also return ``probs``.
 
     Returns

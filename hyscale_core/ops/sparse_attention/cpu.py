@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..._dtypes import compute_dtype
 from .keymajor import FMA, accumulate_by_key, flush, key_major, rows_per_chunk
 
 # Blocked accumulation, in float32 for 16- and 32-bit inputs: sums over
@@ -45,13 +46,6 @@ from .keymajor import FMA, accumulate_by_key, flush, key_major, rows_per_chunk
 # so results are reproducible.
 DOT_BLOCK = 32
 SLOT_BLOCK = 32
-
-
-def compute_dtype(*arrays: np.ndarray) -> np.dtype:
-    """float64 when every array is float64, else float32."""
-    if all(a.dtype == np.float64 for a in arrays):
-        return np.dtype(np.float64)
-    return np.dtype(np.float32)
 
 
 @njit(cache=True, fastmath=FMA)
