@@ -86,7 +86,8 @@ def indexer_scores_at(q: Any, k: Any, w: Any, indices: Any) -> Any:
 
 @with_note(_PRECISION)
 def indexer_scores_at_backward(q: Any, k: Any, w: Any, indices: Any, dscores: Any) -> tuple[Any, Any, Any]:
-    """Gradients of ``sum(I * dscores)`` over the valid slots (dscores at -1 slots is ignored).
+    """Gradients of ``sum(I * dscores)`` over the valid slots (dscores at -1 slots does not
+    enter them, but is checked finite like the rest).
 
     Parameters
     ----------
@@ -149,8 +150,8 @@ def indexer_kl_loss(scores_at: Any, probs: Any) -> tuple[Any, Any]:
                                (:func:`indexer_scores_at`): finite at valid
                                slots, -inf at skipped ones.
     probs : array [N, kk]      attention probability per slot summed over
-                               heads; finite and >= 0. Values at -inf slots
-                               are ignored.
+                               heads; finite and >= 0 everywhere, though values
+                               at -inf slots do not enter the loss.
 
     Returns
     -------
