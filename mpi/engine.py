@@ -125,9 +125,13 @@ class ShardedDSABlock(DSABlock):
 def shard_batch(shard: Shard, ids: Any, rows: Any, targets: Any) -> tuple[Any, Any, Any, int]:
     """This rank's part of a TinyDSA batch: ``(ids [n_local], local rows [m],
     targets [m], M)`` from the global ids [N], prediction positions rows [M]
-    (distinct) and targets [M]; M is the global target count."""
+    (distinct) and targets [M]; M is the global target count, at least 1
+    (the loss is a mean over the targets: ValueError for none)."""
     xp = shard.xp
     rows_h = to_host(rows).astype(np.int64, copy=False)
+    if rows_h.shape[0] == 0 or targets.shape[0] == 0:
+        raise ValueError(f"targets and rows must hold at least one prediction, got targets of shape "
+                         f"{tuple(targets.shape)} and rows of shape {tuple(rows_h.shape)}")
     mine = np.flatnonzero(shard.owner[rows_h] == shard.rank)
     local_rows = xp.asarray(shard.local_index[rows_h[mine]])
     return ids[shard.device("positions")], local_rows, targets[xp.asarray(mine)], int(rows_h.shape[0])

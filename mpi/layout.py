@@ -21,8 +21,12 @@ into 2P chunks instead, each holding whole sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from .._checks import check_int
+from ..ops.indexer.ranges import host_ints
 
 # The CPU indexer's query block (hyscale_core/ops/indexer/cpu.py Q_BLOCK;
 # tests/test_mpi_layout.py checks they agree).
@@ -31,10 +35,7 @@ QUERY_ALIGN = 64
 
 def split_sizes(n: int, parts: int) -> np.ndarray:
     """Sizes of ``parts`` near-equal contiguous pieces of ``n`` (first pieces larger)."""
-    if parts < 1:
-        raise ValueError(f"parts must be at least 1, got {parts}")
-    if n < 0:
-        raise ValueError(f"n must be non-negative, got {n}")
+    n, parts = check_int(n, "n", 0), check_int(parts, "parts", 1)
     sizes = np.full(parts, n // parts, dtype=np.int64)
     sizes[: n % parts] += 1
     return sizes
@@ -95,17 +96,22 @@ class Layout:
             raise ValueError(f"layout positions must cover 0..{self.n - 1} exactly once")
 
 
-def _sequence_starts(n: int, cu_seqlens: np.ndarray | None) -> np.ndarray:
+def _sequence_starts(n: int, cu_seqlens: Any) -> np.ndarray:
     """int64 [n]: start position of the packed sequence holding each token."""
-    if cu_seqlens is None:
-        return np.zeros(n, dtype=np.int64)
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    seq = np.searchsorted(cu, np.arange(n), side="right") - 1
-    return cu[seq]
+    cu = check_bounds(n, cu_seqlens)
+    return cu[np.searchsorted(cu, np.arange(n), side="right") - 1]
 
 
-def _check_bounds(n: int, cu_seqlens) -> np.ndarray:
-    cu = np.array([0, n], dtype=np.int64) if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64)
+def check_sizes(n: Any, world_size: Any, align: Any) -> tuple[int, int, int]:
+    """``n`` (tokens, >= 0), ``world_size`` (>= 1) and ``align`` (>= 1) as Python
+    ints; TypeError for a non-integer (bool and float included), ValueError below the bound."""
+    return check_int(n, "n", 0), check_int(world_size, "world_size", 1), check_int(align, "align", 1)
+
+
+def check_bounds(n: int, cu_seqlens: Any) -> np.ndarray:
+    """int64 [B+1]: ``cu_seqlens`` (None: one sequence) checked to hold integers
+    (TypeError, as ``hs.indexer_topk``) running non-decreasing from 0 to ``n``."""
+    cu = np.array([0, n], dtype=np.int64) if cu_seqlens is None else host_ints(cu_seqlens, "cu_seqlens")
     if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != n or (np.diff(cu) < 0).any():
         raise ValueError(f"cu_seqlens must run non-decreasing from 0 to n={n}, got {cu.tolist()}")
     return cu
@@ -113,8 +119,6 @@ def _check_bounds(n: int, cu_seqlens) -> np.ndarray:
 
 def _aligned(bounds: np.ndarray, align: int, n: int) -> np.ndarray:
     """Boundaries moved to the nearest multiple of ``align`` (n stays n); monotone."""
-    if align < 1:
-        raise ValueError(f"align must be at least 1, got {align}")
     return np.where(bounds == n, n, np.minimum((bounds + align // 2) // align * align, n))
 
 
@@ -129,6 +133,7 @@ def _from_chunks(n: int, world_size: int, bounds: np.ndarray, ranks: np.ndarray)
 def contiguous_layout(n: int, world_size: int, align: int = 1) -> Layout:
     """Rank r holds one contiguous slice; sizes differ by at most one (by at
     most ``align`` + 1 with alignment)."""
+    n, world_size, align = check_sizes(n, world_size, align)
     bounds = np.concatenate([[0], np.cumsum(split_sizes(n, world_size))])
     return _from_chunks(n, world_size, _aligned(bounds, align, n), np.arange(world_size))
 
@@ -136,7 +141,8 @@ def contiguous_layout(n: int, world_size: int, align: int = 1) -> Layout:
 def zigzag_layout(n: int, world_size: int, cu_seqlens=None, align: int = 1) -> Layout:
     """Load-balanced causal layout: each (packed) sequence cut into 2P chunks,
     rank i holding chunks i and 2P-1-i of every sequence."""
-    cu = _check_bounds(n, cu_seqlens)
+    n, world_size, align = check_sizes(n, world_size, align)
+    cu = check_bounds(n, cu_seqlens)
     pairs = np.concatenate([np.arange(world_size), np.arange(world_size)[::-1]])
     bounds, ranks = [np.zeros(1, np.int64)], []
     for start, stop in zip(cu[:-1], cu[1:]):

@@ -18,7 +18,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .layout import QUERY_ALIGN, Layout, balanced_layout, contiguous_layout, zigzag_layout
+from .layout import (QUERY_ALIGN, Layout, balanced_layout, check_bounds, check_sizes, contiguous_layout,
+                     zigzag_layout)
 from .transport import Transport, select_transport
 
 
@@ -86,13 +87,10 @@ def make_shard(comm: Any, n: int, *, layout: str | Layout = "zigzag", cu_seqlens
                  close it once, not through each shard).
 
     Every rank must pass the same n, layout, cu_seqlens and align; a rank
-    that differs makes every rank raise ValueError.
+    that differs, or a bad one of them on any rank, makes every rank raise
+    (ValueError, or the TypeError of a non-integer).
     """
-    cu = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64)
-    key = (int(n), layout if isinstance(layout, str) else "custom", None if cu is None else cu.tolist(), align)
-    everyone = comm.allgather(key)
-    if any(other != key for other in everyone):
-        raise ValueError(f"ranks disagree on (n, layout, cu_seqlens, align): {everyone}")
+    n, cu, align = _agreed_args(comm, n, layout, cu_seqlens, align)
     size = comm.Get_size()
     if isinstance(layout, Layout):
         chosen = layout
@@ -109,6 +107,25 @@ def make_shard(comm: Any, n: int, *, layout: str | Layout = "zigzag", cu_seqlens
     if not isinstance(transport, Transport):
         transport = select_transport(comm, xp, transport)
     return Shard(comm, chosen, transport, cu, xp)
+
+
+def _agreed_args(comm: Any, n: Any, layout: Any, cu_seqlens: Any, align: Any) -> tuple[int, Any, int]:
+    """``(n, cu_seqlens int64 [B+1] or None, align)`` checked, the same on every
+    rank (collective): a check failing on any rank, or ranks that differ,
+    raise on every rank, so none is left waiting in a later collective."""
+    try:
+        n, _, align = check_sizes(n, comm.Get_size(), align)
+        cu = None if cu_seqlens is None else check_bounds(n, cu_seqlens)
+        key = (n, layout if isinstance(layout, str) else "custom", None if cu is None else cu.tolist(), align)
+    except (TypeError, ValueError) as exc:
+        key = exc
+    everyone = comm.allgather(key)
+    for rank, other in enumerate(everyone):
+        if isinstance(other, Exception):
+            raise type(other)(f"{other} (on rank {rank})")
+    if any(other != key for other in everyone):
+        raise ValueError(f"ranks disagree on (n, layout, cu_seqlens, align): {everyone}")
+    return n, cu, align
 
 
 # Set by the launchers of Open MPI, MPICH / Intel MPI (Hydra) and PMIx-based ones (e.g. srun --mpi=pmix).

@@ -1,6 +1,8 @@
 """Partition helpers of hyscale_core.mpi, tested without MPI."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -23,7 +25,7 @@ def test_layouts_partition_every_position_once(n, world, make):
 
 def test_split_sizes_are_near_equal_and_reject_bad_counts():
     np.testing.assert_array_equal(split_sizes(7, 3), [3, 2, 2])
-    with pytest.raises(ValueError, match="parts must be at least 1"):
+    with pytest.raises(ValueError, match="parts must be >= 1, got 0"):
         split_sizes(7, 0)
 
 
@@ -48,6 +50,38 @@ def test_zigzag_packed_sequences_balance_each_sequence():
 def test_zigzag_rejects_bad_bounds():
     with pytest.raises(ValueError, match="cu_seqlens must run non-decreasing from 0 to n=10"):
         zigzag_layout(10, 2, np.array([0, 4, 9]))
+
+
+@pytest.mark.parametrize("make", [zigzag_layout, balanced_layout])
+def test_layouts_reject_float_cu_seqlens_as_the_indexer_does(make):
+    with pytest.raises(TypeError, match="cu_seqlens must hold integers, got dtype float64"):
+        make(7, 2, [0, 3.9, 7])  # was cut to [0, 3, 7]; hs.indexer_topk raises this TypeError
+    with pytest.raises(TypeError, match="cu_seqlens must hold integers, got dtype float64"):
+        make(7, 2).causal_work(np.array([0.0, 3.0, 7.0]))
+
+
+@pytest.mark.parametrize("make", [contiguous_layout, zigzag_layout, balanced_layout])
+@pytest.mark.parametrize("args, kwargs, error, message", [
+    ((7.5, 2), {}, TypeError, "n must be an integer, got 7.5"),
+    ((-1, 2), {}, ValueError, "n must be >= 0, got -1"),
+    ((7, 0), {}, ValueError, "world_size must be >= 1, got 0"),
+    ((7, 2.0), {}, TypeError, "world_size must be an integer, got 2.0"),
+    ((8, 2), {"align": 2.0}, TypeError, "align must be an integer, got 2.0"),
+    ((8, 2), {"align": True}, TypeError, "align must be an integer, got True"),
+    ((8, 2), {"align": 0}, ValueError, "align must be >= 1, got 0"),
+])
+def test_layouts_name_a_bad_size(make, args, kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        make(*args, **kwargs)
+
+
+@pytest.mark.parametrize("make", [contiguous_layout, zigzag_layout, balanced_layout])
+def test_layouts_take_numpy_integers(make):
+    layout = make(np.int64(300), np.int32(3), align=np.int64(64))
+    for got, expect in zip(layout.positions, make(300, 3, align=64).positions):
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, expect)
+    np.testing.assert_array_equal(layout.owner(), make(300, 3, align=64).owner())
 
 
 @pytest.mark.parametrize("n", [0, 7, 63, 64, 65, 301, 4097])
@@ -82,7 +116,7 @@ def test_aligned_packed_sequences_partition_even_when_shorter_than_a_block():
     cu = np.array([0, 5, 40, 41, 700, 1000])
     layout = zigzag_layout(1000, 3, cu, align=QUERY_ALIGN)
     np.testing.assert_array_equal(np.sort(np.concatenate(layout.positions)), np.arange(1000))
-    with pytest.raises(ValueError, match="align must be at least 1"):
+    with pytest.raises(ValueError, match="align must be >= 1, got 0"):
         zigzag_layout(10, 2, align=0)
 
 

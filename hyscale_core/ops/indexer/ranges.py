@@ -16,7 +16,7 @@ from ..._backend import GPU, as_array
 from ..._checks import check_ndim
 
 
-def _host_ints(x: Any, name: str) -> np.ndarray:
+def host_ints(x: Any, name: str) -> np.ndarray:
     backend, x = as_array(x, name)
     if backend == GPU:
         x = x.get()
@@ -36,7 +36,7 @@ def query_positions(q_pos: Any, n_q: int, n_k: int) -> np.ndarray:
                 f"q has {n_q} queries but k has only {n_k} keys; pass q_pos to place the queries"
             )
         return np.arange(n_k - n_q, n_k, dtype=np.int64)
-    pos = _host_ints(q_pos, "q_pos")
+    pos = host_ints(q_pos, "q_pos")
     check_ndim(pos, 1, "q_pos", "[Nq]")
     if pos.shape[0] != n_q:
         raise ValueError(f"q_pos has {pos.shape[0]} entries but q has {n_q} queries")
@@ -48,7 +48,7 @@ def query_positions(q_pos: Any, n_q: int, n_k: int) -> np.ndarray:
 
 def sequence_bounds(cu_seqlens: Any, n_k: int) -> np.ndarray:
     """Validated packed-sequence boundaries (int64 [B+1])."""
-    cu = _host_ints(cu_seqlens, "cu_seqlens")
+    cu = host_ints(cu_seqlens, "cu_seqlens")
     check_ndim(cu, 1, "cu_seqlens", "[B+1]")
     if cu.shape[0] < 2:
         raise ValueError(f"cu_seqlens needs at least 2 entries, got {cu.shape[0]}")
