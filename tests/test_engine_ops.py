@@ -153,7 +153,7 @@ def test_adamw_clips_decays_and_descends():
         backward(loss, np.ones(2))
         norm = opt.step()
     assert norm < 1.0 and np.abs(p.data).max() < 0.05
-    with pytest.raises(ValueError, match="bad AdamW settings"):
+    with pytest.raises(ValueError, match="lr must be finite and > 0, got -1"):
         AdamW([p], lr=-1)
 
 
@@ -245,3 +245,14 @@ def test_cast_rounds_forward_and_returns_the_gradient_in_the_input_dtype():
     backward(y, np.array([0.5, 2.0, 1 + 2**-9], dtype=bfloat16))
     assert x.grad.dtype == np.float32 and x.grad.tolist() == [0.5, 2.0, 1.0]
     assert ops.cast(x.data, np.float32) is x.data
+
+
+def test_take_rows_sums_the_gradients_of_repeated_rows():
+    rng = np.random.default_rng(11)
+    x = leaf(rng, 5, 3, name="x")
+    rows = ops.constant(np.array([4, 0, 4, 2, 4, 0]))
+    check_gradients(lambda: ops.TakeRows.apply(x, rows), [x])
+    g = rng.standard_normal((6, 3))
+    backward(ops.TakeRows.apply(x, rows), g)
+    assert x.grad.tobytes() == np.stack([g[1] + g[5], np.zeros(3), g[3], np.zeros(3),
+                                         (g[0] + g[2]) + g[4]]).tobytes()  # summed left to right

@@ -3,6 +3,7 @@ top-k, checks fingerprints, and gives bitwise the gradients of no checkpointing.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -195,3 +196,61 @@ def test_bfloat16_attention_replays_bitwise_and_stays_near_float32():
     for name, grad in plain.items():
         assert grad.dtype == np.float32 and grad.tobytes() == replayed[name].tobytes(), name
         assert np.linalg.norm(grad - f32[name]) <= 0.05 * np.linalg.norm(f32[name]), name
+
+
+def _log(path, table, **masks):
+    from hyscale_core.io import LogReplaySource, SelectionLog
+
+    with SelectionLog(path, "w") as log:
+        for layer in [f"layer{i}" for i in range(CFG.n_layers)]:
+            log.append("s", layer, table, **masks)
+    return LogReplaySource(path, "s")
+
+
+def test_replay_refuses_a_table_of_another_width(tmp_path):
+    """A selection of k = 4 replayed into a topk = 8 model: refused, naming both,
+    from a log and from a store; accepted when the replay names its width."""
+    ids, rows, targets = batch()
+    model = TinyDSA(CFG, seed=1)
+    narrow = LiveSelection(4)
+    live = model.forward(ids, rows, targets, narrow)  # a live selector of its own width is fine
+    with _log(tmp_path / "k4.h5", narrow.store.selection("layer0")) as source:
+        with pytest.raises(ValueError, match=re.escape("layer 'layer0' has shape (40, 4), expected (40, 8)")):
+            model.forward(ids, rows, targets, ReplaySelection(source))
+    with pytest.raises(ValueError, match=re.escape("expected (40, 8): one row per query and topk = 8 columns")):
+        model.forward(ids, rows, targets, ReplaySelection(narrow.store))
+    assert model.forward(ids, rows, targets, ReplaySelection(narrow.store, topk=4)).total == live.total
+
+
+def test_replay_refuses_a_log_made_without_the_causal_mask(tmp_path):
+    """Every query reads the last key (the future for all but one): the log says
+    causal=False, so a causal replay refuses it; causal=False replays it."""
+    ids, rows, targets = batch()
+    n = ids.size
+    future = np.stack([np.full(n, n - 1)] + [np.arange(n)] * (CFG.topk - 1), axis=1).astype(np.int32)
+    with _log(tmp_path / "future.h5", future, causal=False) as source:
+        with pytest.raises(SelectionMismatchError, match="layer 'layer0' was made with causal=False"):
+            TinyDSA(CFG, seed=1).forward(ids, rows, targets, ReplaySelection(source))
+        out = TinyDSA(CFG, seed=1).forward(ids, rows, targets, ReplaySelection(source, causal=False))
+    assert np.isfinite(out.total)
+
+
+def test_replay_refuses_a_log_made_over_other_keys(tmp_path):
+    ids, rows, targets = batch()
+    live = LiveSelection(CFG.topk)
+    TinyDSA(CFG, seed=1).forward(ids, rows, targets, live)
+    with _log(tmp_path / "keys.h5", live.store.selection("layer0"), n_keys=ids.size + 3) as source:
+        with pytest.raises(SelectionMismatchError, match="layer 'layer0' was made over 43 keys, the layer has 40"):
+            TinyDSA(CFG, seed=1).forward(ids, rows, targets, ReplaySelection(source))
+
+
+def test_checkpoint_replays_a_live_selection_of_its_own_width():
+    """A live selector wider than the model's topk (a dense stage) checkpoints
+    and replays its own tables: bitwise the gradients without checkpointing."""
+    wide = dataclasses.replace(CFG, topk=40)
+    plain, *_ = gradients(recompute=False, cfg=wide)
+    model = TinyDSA(CFG, seed=1)
+    out = model.forward(*batch(), LiveSelection(40), recompute=True)
+    backward(out.loss)
+    for p in model.parameters():
+        assert p.grad.tobytes() == plain[p.name].tobytes(), p.name

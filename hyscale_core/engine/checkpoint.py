@@ -23,10 +23,12 @@ from .tensor import Function, Tensor, backward_many, no_grad
 
 
 class _RecordOnly:
-    """Wraps a selector for one block: remembers its selection for the replay."""
+    """Wraps a selector for one block: remembers its selection for the replay
+    (its ``topk``: the selector's)."""
 
     def __init__(self, selector: Any, store: SelectionStore) -> None:
         self.selector, self.store = selector, store
+        self.topk = getattr(selector, "topk", None)
 
     def select(self, layer: str, q: Any, k: Any, w: Any) -> Any:
         indices = self.selector.select(layer, q, k, w)
@@ -44,7 +46,8 @@ class Checkpoint(Function):
         store = SelectionStore()
         with no_grad():
             y, kl = block.forward(Tensor(x), rope, _RecordOnly(selector, store), kl_rows)
-        self.save(x, block, rope, recompute_selector or ReplaySelection(store), kl_weight, kl_rows)
+        replay = ReplaySelection(store, topk=getattr(selector, "topk", None))
+        self.save(x, block, rope, recompute_selector or replay, kl_weight, kl_rows)
         return y.data, {"kl": kl.data, "selections": store}
 
     def backward(self, g):

@@ -11,6 +11,7 @@ from .._backend import to_host
 from . import ops
 from .attention import IndexerKL, IndexerScoresAt, SparseAttention
 from .checkpoint import checkpoint
+from .checks import check_batch, check_config, check_selection
 from .tensor import Tensor
 
 
@@ -20,6 +21,8 @@ class DSAConfig:
 
     attention_dtype: the dtype of the sparse attention's q, kv and out
     ("bfloat16" runs the GPU tensor-core kernels); the rest stays float32.
+    Checked when made (:func:`checks.check_config`): int sizes >= 1, topk in
+    [1, 2**20], rope_dim even and >= 0, kl_weight finite and >= 0.
     """
 
     vocab: int = 64
@@ -34,6 +37,9 @@ class DSAConfig:
     topk: int = 16
     kl_weight: float = 1.0
     attention_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
     @property
     def d_qk(self) -> int:
@@ -93,6 +99,8 @@ class DSABlock:
         h = ops.RMSNorm.apply(x, p["attn_norm"])
         iq, ik, iw = self._indexer(h, n)
         indices, ik = self._select(selector, iq, ik, iw)
+        width = getattr(selector, "topk", None)
+        check_selection(indices, n, cfg.topk if width is None else width, self.name)
         q = ops.Reshape.apply(ops.MatMul.apply(h, p["wq"]), shape=(n, cfg.heads, cfg.d_qk))
         q = ops.RoPETail.apply(q, cos, sin)
         kv = ops.RoPETail.apply(ops.MatMul.apply(h, p["wkv"]), cos, sin)
@@ -108,7 +116,9 @@ class DSABlock:
     # overrides these three and shares the rest of forward.
 
     def _select(self, selector: Any, iq: Tensor, ik: Tensor, iw: Tensor) -> tuple[Any, Tensor]:
-        """``(indices int32 [N, topk], the indexer keys the loss scores against)``."""
+        """``(indices int32 [N, topk], the indexer keys the loss scores against)``.
+        ``topk`` is the selector's own when it names one (a live selection of
+        another width), else the model's: a replayed table must have it."""
         return selector.select(self.name, iq.data, ik.data, iw.data), ik
 
     def _attend(self, q: Tensor, kv: Tensor, indices: Any) -> Tensor:
@@ -174,12 +184,18 @@ class TinyDSA:
         """Predict ``targets`` [M] (int) at positions ``rows`` [M] (int) of the token
         sequence ``ids`` [N] (int); the indexer selects with ``selector``.
 
+        ids and targets in [0, vocab), rows in [0, N), M >= 1; anything else is
+        a ValueError/TypeError naming the argument and its first bad entry. A
+        row listed twice counts twice in the mean loss (its gradient is the
+        sum of both).
+
         recompute: checkpoint every block; their selections are replayed in
         backward, or made again by ``recompute_selector`` when one is given.
         kl_on_loss_rows: the indexer losses average over ``rows`` only (see
         :meth:`DSABlock.forward`).
         """
         xp = self.xp
+        ids, rows, targets = check_batch(xp, ids, rows, targets, self.cfg.vocab)
         rope = ops.rope_tables(xp, xp.arange(ids.shape[0]), self.cfg.rope_dim)
         x = ops.Embedding.apply(self.embed, ops.constant(ids))
         kls: list[Tensor | float] = []

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backend import array_module
+from .._backend import array_module, to_host
 from .tensor import Function, Tensor
 
 
@@ -86,7 +86,10 @@ class RMSNorm(Function):
 
 
 def rope_tables(xp, positions, dim: int, base: float = 10000.0):
-    """(cos, sin) [N, dim/2] float32 for rotary embedding at integer ``positions`` [N]."""
+    """(cos, sin) [N, dim/2] float32 for rotary embedding at integer ``positions`` [N];
+    ``dim`` even (RoPE rotates pairs of dims)."""
+    if dim % 2:
+        raise ValueError(f"dim must be even (RoPE rotates pairs of dims), got {dim}")
     freq = base ** (-xp.arange(0, dim, 2, dtype=xp.float64) / dim)
     angle = xp.asarray(positions, dtype=xp.float64)[:, None] * freq[None, :]
     return xp.cos(angle).astype(xp.float32), xp.sin(angle).astype(xp.float32)
@@ -189,7 +192,12 @@ def _rotate_tail(x, cos, sin, direction: int):
 
 
 class TakeRows(Function):
-    """x [N, ...] rows at ``rows`` [M] (int, distinct) -> [M, ...]."""
+    """x [N, ...] rows at ``rows`` [M] (int in [0, N), repeats allowed) -> [M, ...].
+
+    A row taken several times gets the sum of its copies' gradients, added in
+    the order the copies appear in ``rows`` (no atomics: the same bits on
+    every run and backend).
+    """
 
     def forward(self, x, rows):
         self.save(rows, x.shape)
@@ -197,9 +205,28 @@ class TakeRows(Function):
 
     def backward(self, g):
         rows, shape = self.saved
-        dx = array_module(g).zeros(shape, dtype=g.dtype)
-        dx[rows] = g
+        xp = array_module(g)
+        dx = xp.zeros(shape, dtype=g.dtype)
+        for level in _repeat_levels(rows):
+            at = xp.asarray(level)
+            dx[rows[at]] += g[at]  # the rows within a level are distinct: each is added once
         return dx, None
+
+
+def _repeat_levels(rows: Any) -> list[np.ndarray]:
+    """Positions of ``rows`` [M] (int, NumPy or CuPy) by occurrence: level j
+    holds, ascending, the positions p where ``rows[p]`` occurs for the
+    (j+1)-th time counting from the left. int64 host arrays; one level when
+    the rows are distinct, none when M = 0."""
+    host = to_host(rows).reshape(-1)
+    order = np.argsort(host, kind="stable")
+    ranked = host[order]
+    new_run = np.ones(host.size, dtype=bool)
+    new_run[1:] = ranked[1:] != ranked[:-1]
+    run_start = np.flatnonzero(new_run)[np.cumsum(new_run) - 1]
+    occurrence = np.empty(host.size, dtype=np.int64)
+    occurrence[order] = np.arange(host.size) - run_start
+    return [np.flatnonzero(occurrence == j) for j in range(int(occurrence.max(initial=-1)) + 1)]
 
 
 def swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:

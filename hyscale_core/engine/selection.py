@@ -1,7 +1,9 @@
 """Where a DSA layer's selection comes from: live, recorded, or replayed.
 
 A selector has ``select(layer, q, k, w) -> int32 [N, topk]`` (q, k, w: the
-indexer's raw arrays). :class:`LiveSelection` runs ``hs.indexer_topk`` and
+indexer's raw arrays) and may name ``topk``, the width of its tables (None or
+absent: the model's ``cfg.topk``); the DSA block checks every table's shape
+against it. :class:`LiveSelection` runs ``hs.indexer_topk`` and
 records every selection with its fingerprint; :class:`ReplaySelection`
 returns a source's selections instead (a :class:`SelectionStore` recorded
 in the forward, or ``hyscale_core.io.LogReplaySource`` for a rollout log) and
@@ -27,7 +29,9 @@ import numpy as np
 import hyscale_core as hs
 
 from .._backend import array_module
+from .._checks import check_int
 from ..io.fingerprint import fingerprint
+from ..ops.indexer import MAX_TOPK
 
 _ROW_MIX = np.uint64(0xC2B2AE3D27D4EB4F)  # odd 64-bit multipliers (from xxhash / golden ratio)
 _COL_MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -116,11 +120,26 @@ class LiveSelection:
 
 
 class ReplaySelection:
-    """Replays a source's selections; a fingerprint mismatch names the layer."""
+    """Replays a source's selections; a mismatch names the layer.
 
-    def __init__(self, source: Any, to_array: Callable[[Any], Any] | None = None) -> None:
-        self.source = source
-        self.to_array = to_array
+    topk   : the width of the replayed tables; None (default): the replaying
+             model's ``cfg.topk``. The block refuses a table of another width.
+    causal : the replay stands in for a causal selection. A source that
+             reports the masks its selections were made under
+             (``info(layer)``: a selection log) must then report causal ones,
+             and any source as many keys as the layer has. Packing
+             (``cu_seqlens``, ``q_pos``) is not compared (a log checked each
+             entry against its own masks when it was appended). A source
+             without ``info`` (a :class:`SelectionStore`, this process's own
+             selections) reports no masks: its entries are not checked against any.
+    """
+
+    def __init__(self, source: Any, to_array: Callable[[Any], Any] | None = None, *, topk: int | None = None,
+                 causal: bool = True) -> None:
+        if not isinstance(causal, (bool, np.bool_)):
+            raise TypeError(f"causal must be a bool, got {causal!r}")
+        self.source, self.to_array, self.causal = source, to_array, bool(causal)
+        self.topk = None if topk is None else check_int(topk, "topk", 0, MAX_TOPK)
 
     def select(self, layer: str, q: Any, k: Any, w: Any) -> Any:
         indices = self.source.selection(layer)
@@ -131,4 +150,18 @@ class ReplaySelection:
         if indices.shape[0] != q.shape[0]:
             raise SelectionMismatchError(f"replayed selection of layer {layer!r} has {indices.shape[0]} rows, "
                                          f"the layer has {q.shape[0]} queries")
+        self._check_masks(layer, k.shape[0])
         return self.to_array(indices) if self.to_array else indices
+
+    def _check_masks(self, layer: str, n_keys: int) -> None:
+        """The masks the source reports for ``layer`` (if any) against this replay's."""
+        if not hasattr(self.source, "info"):
+            return
+        logged = self.source.info(layer)
+        if self.causal and not logged.causal:
+            raise SelectionMismatchError(f"replayed selection of layer {layer!r} was made with causal=False (it may "
+                                         "hold future keys), the replay is causal=True; pass causal=False to "
+                                         "replay it")
+        if logged.n_keys != n_keys:
+            raise SelectionMismatchError(f"replayed selection of layer {layer!r} was made over {logged.n_keys} keys, "
+                                         f"the layer has {n_keys}")

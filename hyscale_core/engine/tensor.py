@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import numpy as np
+
 _GRAD_ENABLED = [True]
 
 
@@ -118,6 +120,17 @@ def _node(root: Tensor) -> Any:
     return root.ctx if root.ctx is not None else root
 
 
+def _seed(root: Tensor, grad: Any) -> Any:
+    """The gradient entering ``root``: ``grad``, checked to have root's shape, or 1."""
+    if grad is None:
+        if root.data.size != 1:
+            raise ValueError(f"backward() needs grad for a non-scalar root of shape {root.shape}")
+        return root.data * 0 + 1
+    if tuple(np.shape(grad)) != root.shape:
+        raise ValueError(f"grad must have the root's shape {root.shape}, got shape {tuple(np.shape(grad))}")
+    return grad
+
+
 def _topological(roots: list[Any]) -> list[Any]:
     """Nodes (Functions and leaf Tensors) reachable from ``roots``, each after its parents."""
     order: list[Any] = []
@@ -142,8 +155,10 @@ def _topological(roots: list[Any]) -> list[Any]:
 def backward(root: Tensor, grad: Any = None) -> None:
     """Accumulate d(root)/d(leaf) into every leaf's ``.grad`` and free the tape.
 
-    ``grad`` defaults to 1 for a scalar root. Gradients are summed in a fixed
-    order (reverse topological, parents in argument order): deterministic.
+    ``grad``: d(loss)/d(root), an array of exactly the root's shape (no
+    broadcasting: a ValueError names both shapes); it defaults to 1 for a
+    root of one element. Gradients are summed in a fixed order (reverse
+    topological, parents in argument order): deterministic.
     """
     backward_many([(root, grad)])
 
@@ -154,10 +169,7 @@ def backward_many(seeds: list[tuple[Tensor, Any]]) -> None:
     roots = []
     for root, grad in seeds:
         node = _node(root)
-        if grad is None:
-            if root.data.size != 1:
-                raise ValueError(f"backward() needs grad for a non-scalar root of shape {root.shape}")
-            grad = root.data * 0 + 1
+        grad = _seed(root, grad)
         grads[id(node)] = grad if id(node) not in grads else grads[id(node)] + grad
         roots.append(node)
     for node in reversed(_topological(roots)):
