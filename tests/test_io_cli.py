@@ -103,3 +103,31 @@ def test_bad_files_exit_2_with_the_reason(tmp_path, logs, capsys):
     assert f"{plain} is not a hyscale selection log" in capsys.readouterr().err
     assert main(["log", "diff", str(logs[0]), str(tmp_path / "missing.h5")]) == 2
     assert "missing.h5" in capsys.readouterr().err
+
+
+def _attr(name, value):
+    return lambda f: f["samples/0/1"].attrs.__setitem__(name, value)
+
+
+def _sample_is_a_dataset(f):
+    del f["samples/1"]
+    f["samples/1"] = np.arange(3)
+
+
+def _layer_is_a_dataset(f):
+    del f["samples/0/1"]
+    f["samples/0/1"] = np.arange(3)
+
+
+@pytest.mark.parametrize("mutate", [lambda f: f["samples/0/1"].attrs.__delitem__("k"), _attr("n_queries", "three"),
+                                    _attr("n_keys", np.array([3, 3])), _sample_is_a_dataset, _layer_is_a_dataset],
+                         ids=["missing k", "n_queries string", "n_keys array", "sample dataset", "layer dataset"])
+def test_malformed_entries_are_one_line_errors_naming_the_file(logs, mutate, capsys):
+    a, b, _ = logs
+    with h5py.File(a, "r+") as f:
+        mutate(f)
+    for argv in (["inspect", str(a)], ["diff", str(a), str(b)], ["diff", str(b), str(a)]):
+        assert main(["log", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith(f"hyscale log {argv[0]}: {a}") and err.count("\n") == 1, err
+        assert out == ""  # the report is not half printed

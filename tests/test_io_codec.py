@@ -145,3 +145,11 @@ def test_inconsistent_arrays_raise_instead_of_decoding_wrong():
         codec.decode(e.count, e.first, gaps, e.lehmer)
     with pytest.raises(ValueError, match="shapes"):
         codec.decode(e.count[:1], e.first, e.gaps, e.lehmer)
+
+
+def test_arrays_of_other_dtypes_or_ranks_are_corrupt():
+    e = codec.encode(np.array([[3, 1, 2], [0, -1, -1]], dtype=np.int32))
+    with pytest.raises(ValueError, match="corrupt encoding: count has dtype float64, expected integers"):
+        codec.decode(e.count.astype(np.float64), e.first, e.gaps, e.lehmer)
+    with pytest.raises(ValueError, match=r"corrupt encoding: lehmer has shape \(3, 2, 1\), expected \[k, N\]"):
+        codec.decode(e.count, e.first, e.gaps, e.lehmer[..., None])

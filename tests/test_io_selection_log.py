@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import h5py
@@ -263,3 +264,91 @@ def test_entries_record_the_writer_version_and_mix_across_versions(tmp_path, tab
         assert log.metadata["hyscale_version"] == "0.0.9"
         assert [e.hyscale_version for e in log] == ["0.0.9", hs.__version__]
         np.testing.assert_array_equal(log.read(0, 0), log.read(0, 1))
+
+
+
+def _sample_is_a_dataset(f):
+    del f["samples/s"]
+    f["samples/s"] = np.arange(3)
+
+
+def _layer_is_a_dataset(f):
+    del f["samples/s/L"]
+    f["samples/s/L"] = np.arange(3)
+
+
+def _table_is_a_group(f):
+    del f["samples/s/L/table"]
+    f.create_group("samples/s/L/table")
+
+
+def _table_is_a_scalar(f):
+    del f["samples/s/L/table"]
+    f["samples/s/L/table"] = 3
+
+
+def _set_attr(name, value):
+    return lambda f: f["samples/s/L"].attrs.__setitem__(name, value)
+
+
+MALFORMED = {
+    "n_queries string": (_set_attr("n_queries", "three"),
+                         r"sample 's' layer 'L': attribute 'n_queries' is 'three', expected an integer >= 0"),
+    "n_keys array": (_set_attr("n_keys", np.array([3, 3])), r"attribute 'n_keys' is array\(\[3, 3\]\), expected an"),
+    "k negative": (_set_attr("k", -1), r"attribute 'k' is np.int64\(-1\), expected an integer >= 0"),
+    "causal int": (_set_attr("causal", 1), r"attribute 'causal' is np.int64\(1\), expected a bool"),
+    "fingerprint int": (_set_attr("fingerprint", 7), r"attribute 'fingerprint' is np.int64\(7\), expected a string"),
+    "sample is a dataset": (_sample_is_a_dataset, r": /samples/s is an HDF5 Dataset, expected a Group"),
+    "layer is a dataset": (_layer_is_a_dataset, r": /samples/s/L is an HDF5 Dataset, expected a Group"),
+    "table is a group": (_table_is_a_group, r": /samples/s/L/table is an HDF5 Group, expected a Dataset"),
+    "table is a scalar": (_table_is_a_scalar, r"dataset 'table' has shape \(\), expected rows along axis 0"),
+    "q_pos float": (lambda f: f.create_dataset("samples/s/L/q_pos", data=np.array([0.5, 1.0, 2.0])),
+                    r"dataset 'q_pos' has shape \(3,\) and dtype float64, expected 1-D integers"),
+}
+
+
+def malformed_log(path, mutate):
+    write(path, [("s", "L", np.array([[0, -1], [1, 0], [2, 1]], np.int32), {})], encoding="int32-v1")
+    with h5py.File(path, "r+") as f:
+        mutate(f)
+    return path
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_entries_raise_selection_log_error_naming_them(tmp_path, case):
+    mutate, message = MALFORMED[case]
+    path = malformed_log(tmp_path / "a.h5", mutate)
+    with SelectionLog(path) as log:
+        with pytest.raises(SelectionLogError, match=rf"^{path}.*{message}"):
+            log.read("s", "L")
+
+
+def test_malformed_layout_is_named_when_listing_and_appending(tmp_path):
+    for mutate, where in ((_sample_is_a_dataset, "/samples/s is"), (_layer_is_a_dataset, "/samples/s/L is")):
+        path = malformed_log(tmp_path / "a.h5", mutate)
+        with SelectionLog(path, "a") as log:
+            for call in (log.keys, log.incomplete_entries, lambda: log.layers("s"),
+                         lambda: log.append("s", "L", np.zeros((1, 1), np.int32))):
+                with pytest.raises(SelectionLogError, match=rf"^{path}: {where} an HDF5 Dataset, expected a Group"):
+                    call()
+
+
+def test_names_hdf5_cannot_hold_are_refused(tmp_path, table):
+    with SelectionLog(tmp_path / "a.h5", "w") as log:
+        log.append("s", "a", table)
+        for name in ("a\0b", "\0", "a\udcff"):
+            with pytest.raises(ValueError, match=rf"^layer must be .*, got {re.escape(repr(name))}"):
+                log.append("s", name, table)
+            with pytest.raises(ValueError, match=rf"^sample must be .*, got {re.escape(repr(name))}"):
+                log.read(name, "a")
+        assert log.keys() == [("s", "a")]
+
+
+def test_tables_outside_n_keys_name_indices_and_n_keys(tmp_path):
+    t = np.array([[0, -1], [1, 0], [2, 1]], np.int32)
+    with SelectionLog(tmp_path / "a.h5", "w") as log:
+        with pytest.raises(ValueError, match=r"^indices\[2, 0\] = 2 is outside \[-1, n_keys = 2\)"):
+            log.append("s", "L", t, n_keys=2)
+        with pytest.raises(ValueError, match=r"^indices has 3 rows \(queries\) but n_keys = 2: .* pass q_pos"):
+            log.append("s", "L", np.minimum(t, 1), n_keys=2)
+        log.append("s", "L", np.minimum(t, 1), n_keys=2, q_pos=[0, 1, 1])  # placed: fine

@@ -138,8 +138,14 @@ def encode(indices: np.ndarray) -> Encoded:
     )
 
 
-def _check_shapes(count: np.ndarray, first: np.ndarray, gaps: np.ndarray, digits: np.ndarray) -> tuple[int, int]:
-    """``(N, k)`` of consistent stored arrays; ValueError otherwise."""
+def _check_arrays(count: np.ndarray, first: np.ndarray, gaps: np.ndarray, digits: np.ndarray) -> tuple[int, int]:
+    """``(N, k)`` of consistent stored arrays (integers, the shapes of one table); ValueError otherwise."""
+    arrays = {"count": count, "first": first, "gaps": gaps, "lehmer": digits}
+    odd = [f"{name} has dtype {a.dtype}" for name, a in arrays.items() if a.dtype.kind not in "iu"]
+    if odd:
+        raise ValueError(f"corrupt encoding: {', '.join(odd)}, expected integers")
+    if digits.ndim != 2:
+        raise ValueError(f"corrupt encoding: lehmer has shape {digits.shape}, expected [k, N]")
     k, n = digits.shape
     if count.shape != (n,) or first.shape != (n,) or gaps.shape != (max(k - 1, 0), n):
         raise ValueError(f"corrupt encoding: shapes count {count.shape}, first {first.shape}, gaps {gaps.shape}, "
@@ -155,7 +161,7 @@ def decode(count: np.ndarray, first: np.ndarray, gaps: np.ndarray, digits: np.nd
     inconsistent (counts, digits or indices out of range) rather than
     return a wrong table.
     """
-    n, k = _check_shapes(count, first, gaps, digits)
+    n, k = _check_arrays(count, first, gaps, digits)
     out = np.empty((n, k), dtype=np.int32)
     step = _block_rows(k)
     for a in range(0, n if k else 0, step):  # row-major copies of a block: the kernel reads rows

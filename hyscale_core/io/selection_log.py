@@ -62,17 +62,29 @@ FORMAT_VERSION = 1
 DEFAULT_CHUNK_ROWS = 1024
 _SAMPLES = "samples"
 _MODES = ("r", "w", "x", "a")
-_ENTRY_ATTRS = ("n_queries", "k", "n_keys", "causal", "fingerprint", "encoding", "hyscale_version", "created")
+# Each entry attribute EntryInfo holds, and the Python type it is read as.
+_ENTRY_ATTRS = {"n_queries": int, "k": int, "n_keys": int, "causal": bool, "fingerprint": str, "encoding": str,
+                "hyscale_version": str, "created": str}
+_KIND_NAMES = {int: "an integer >= 0", bool: "a bool", str: "a string"}
 _MASKS = ("q_pos", "cu_seqlens")
 
 
 def entry_name(value: Any, what: str) -> str:
-    """A sample or layer key as its HDF5 group name (ints become decimal strings)."""
+    """A sample or layer key as its HDF5 group name (ints become decimal strings).
+
+    TypeError unless ``value`` is a str or an int; ValueError naming ``what``
+    for a name HDF5 cannot hold as given: empty, "." or "..", holding "/" or
+    NUL (HDF5 would cut it there), or not encodable as UTF-8.
+    """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (str, numbers.Integral)):
         raise TypeError(f"{what} must be a str or an int, got {value!r}")
     name = str(int(value)) if isinstance(value, numbers.Integral) else value
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"{what} must be a non-empty name without '/', got {value!r}")
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise ValueError(f"{what} must be a non-empty name without '/' or NUL, got {value!r}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} must be UTF-8 encodable (HDF5 stores names as UTF-8), got {value!r}") from None
     return name
 
 
@@ -84,6 +96,22 @@ def _text(value: Any) -> str | None:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return value if isinstance(value, str) else None
+
+
+def _scalar(value: Any, kind: type) -> Any:
+    """A stored attribute as a Python ``kind`` (int >= 0, bool or str), None if it is not one."""
+    if kind is str:
+        return _text(value)
+    if kind is bool:
+        return bool(value) if isinstance(value, (bool, np.bool_)) else None
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)) and value >= 0:
+        return int(value)
+    return None
+
+
+def _appended(group: h5py.HLObject) -> bool:
+    """Whether an entry was completely appended: its ``appended`` attribute is a true bool."""
+    return _scalar(group.attrs.get("appended"), bool) is True
 
 
 def _open_problem(exc: OSError) -> str:
@@ -106,13 +134,25 @@ def _host_table(indices: Any) -> np.ndarray:
     return np.ascontiguousarray(table)
 
 
+def _check_range(table: np.ndarray, n_keys: int) -> None:
+    """ValueError naming the first entry of ``indices`` outside [-1, n_keys)."""
+    outside = (table < -1) | (table >= n_keys)
+    if outside.any():
+        r, c = divmod(int(np.flatnonzero(outside)[0]), table.shape[1])
+        raise ValueError(f"indices[{r}, {c}] = {table[r, c]} is outside [-1, n_keys = {n_keys}) (-1 = no key)")
+
+
 def _check_masks(table: np.ndarray, causal: Any, q_pos: Any, cu_seqlens: Any, n_keys: int) -> dict[str, Any]:
-    """The masks as stored (int64 arrays or None); ValueError if the table leaves them."""
+    """The masks as stored (int64 arrays or None); ValueError if the table (entries
+    in [-1, n_keys), see _check_range) leaves them."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     n, k = table.shape
+    if q_pos is None and (causal or cu_seqlens is not None) and n > n_keys:  # queries placed at the last keys
+        raise ValueError(f"indices has {n} rows (queries) but n_keys = {n_keys}: without q_pos the queries are "
+                         f"the last {n} keys, so pass q_pos or n_keys >= {n}")
     lo, hi = candidate_ranges(n, n_keys, causal, q_pos, cu_seqlens)  # validates q_pos, cu_seqlens
-    outside = (table < -1) | ((table >= 0) & ((table < lo[:, None]) | (table >= hi[:, None])))
+    outside = (table >= 0) & ((table < lo[:, None]) | (table >= hi[:, None]))
     if outside.any():
         r, c = divmod(int(np.flatnonzero(outside)[0]), k)
         raise ValueError(f"indices[{r}, {c}] = {table[r, c]} is neither -1 nor a key query {r} may select "
@@ -251,6 +291,7 @@ class SelectionLog:
         sample, layer = entry_name(sample, "sample"), entry_name(layer, "layer")
         table = _host_table(indices)
         n_keys = table.shape[0] if n_keys is None else check_int(n_keys, "n_keys", 1)
+        _check_range(table, n_keys)
         masks = _check_masks(table, causal, q_pos, cu_seqlens, n_keys)
         rows = encodings.chunk_rows(*table.shape, self.chunk_rows)
         encoding = (encodings.choose(table, rows, self.compression_level) if self.encoding == encodings.AUTO
@@ -270,33 +311,58 @@ class SelectionLog:
 
     def _fresh_group(self, sample: str, layer: str) -> h5py.Group:
         samples = self._file[_SAMPLES]
-        sample_group = samples[sample] if sample in samples else samples.create_group(sample, track_order=True)
-        if layer in sample_group:
-            if sample_group[layer].attrs.get("appended", False):
+        sample_group = self._child(samples, sample, h5py.Group)
+        if sample_group is None:
+            sample_group = samples.create_group(sample, track_order=True)
+        old = self._child(sample_group, layer, h5py.Group)
+        if old is not None:
+            if _appended(old):
                 raise ValueError(f"sample {sample!r} layer {layer!r} is already in {self.path}; "
                                  f"each (sample, layer) is logged once")
             del sample_group[layer]  # cut off mid-append by a writer that crashed
         return sample_group.create_group(layer)
 
+    # -- looking up ------------------------------------------------------
+
+    def _child(self, parent: h5py.Group, name: str, kind: type) -> Any:
+        """``parent[name]`` if it is a ``kind`` (h5py.Group or h5py.Dataset), None if there
+        is none; SelectionLogError naming the file and the HDF5 path if it is something else."""
+        item = parent.get(name)
+        if item is None or isinstance(item, kind):
+            return item
+        raise SelectionLogError(f"{self.path}: {item.name} is an HDF5 {type(item).__name__}, "
+                                f"expected a {kind.__name__}")
+
+    def _attr(self, group: h5py.Group, name: str, kind: type, where: str) -> Any:
+        """Attribute ``name`` (present) of the entry ``group`` as a Python ``kind`` (int >= 0,
+        bool or str); SelectionLogError naming ``where``, the attribute and its value otherwise."""
+        value = _scalar(group.attrs[name], kind)
+        if value is None:
+            raise SelectionLogError(f"{where}: attribute {name!r} is {group.attrs[name]!r}, "
+                                    f"expected {_KIND_NAMES[kind]}")
+        return value
+
     # -- listing ---------------------------------------------------------
 
+    def _layer_groups(self, sample_group: h5py.Group) -> Iterator[tuple[str, h5py.Group]]:
+        """(layer, group) of every entry of one sample; SelectionLogError if one is not a group."""
+        for layer in sample_group:
+            yield layer, self._child(sample_group, layer, h5py.Group)
+
     def _groups(self) -> Iterator[tuple[str, str, h5py.Group]]:
-        for sample, sample_group in self._file[_SAMPLES].items():
-            if not isinstance(sample_group, h5py.Group):
-                raise SelectionLogError(f"{self.path}: /{_SAMPLES}/{sample} is not a group")
-            for layer, group in sample_group.items():
-                if not isinstance(group, h5py.Group):
-                    raise SelectionLogError(f"{self.path}: /{_SAMPLES}/{sample}/{layer} is not a group")
+        samples = self._file[_SAMPLES]
+        for sample in samples:
+            for layer, group in self._layer_groups(self._child(samples, sample, h5py.Group)):
                 yield sample, layer, group
 
     def keys(self) -> list[tuple[str, str]]:
         """Every completely appended (sample, layer): samples in the order they were first
         appended to, each sample's layers in append order."""
-        return [(s, l) for s, l, g in self._groups() if g.attrs.get("appended", False)]
+        return [(s, l) for s, l, g in self._groups() if _appended(g)]
 
     def incomplete_entries(self) -> list[tuple[str, str]]:
         """(sample, layer) entries a writer was cut off appending; never readable."""
-        return [(s, l) for s, l, g in self._groups() if not g.attrs.get("appended", False)]
+        return [(s, l) for s, l, g in self._groups() if not _appended(g)]
 
     def samples(self) -> list[str]:
         """Samples with at least one appended layer, in append order."""
@@ -305,8 +371,8 @@ class SelectionLog:
     def layers(self, sample: str | int) -> list[str]:
         """Layers logged for ``sample``, in append order; KeyError if it has none."""
         sample = entry_name(sample, "sample")
-        group = self._file[_SAMPLES].get(sample)
-        layers = [l for l, g in group.items() if g.attrs.get("appended", False)] if group is not None else []
+        group = self._child(self._file[_SAMPLES], sample, h5py.Group)
+        layers = [l for l, g in self._layer_groups(group) if _appended(g)] if group is not None else []
         if not layers:
             raise KeyError(f"sample {sample!r} is not in {self.path}")
         return layers
@@ -332,37 +398,49 @@ class SelectionLog:
 
     def _entry(self, sample: str | int, layer: str | int) -> tuple[str, str, h5py.Group]:
         sample, layer = entry_name(sample, "sample"), entry_name(layer, "layer")
-        samples = self._file[_SAMPLES]
-        group = samples[sample].get(layer) if sample in samples else None
-        if not isinstance(group, h5py.Group):
+        sample_group = self._child(self._file[_SAMPLES], sample, h5py.Group)
+        group = None if sample_group is None else self._child(sample_group, layer, h5py.Group)
+        if group is None:
             raise KeyError(f"sample {sample!r} layer {layer!r} is not in {self.path}")
-        if not group.attrs.get("appended", False):
+        if not _appended(group):
             raise IncompleteLogError(f"{self._where(sample, layer)} was not completely appended "
                                      f"(its writer stopped mid-append)")
         return sample, layer, group
 
     def info(self, sample: str | int, layer: str | int) -> EntryInfo:
-        """Metadata of one entry; KeyError if it is not in the log."""
+        """Metadata of one entry; KeyError if it is not in the log, SelectionLogError
+        naming the entry if its metadata is missing or malformed."""
         sample, layer, group = self._entry(sample, layer)
+        where = self._where(sample, layer)
         missing = [a for a in _ENTRY_ATTRS if a not in group.attrs]
         if missing:
-            raise SelectionLogError(f"{self._where(sample, layer)} lacks metadata: {', '.join(missing)}")
-        attrs = group.attrs
-        masks = {name: (self._read(sample, layer, group, name, 0, slice(None)).astype(np.int64)
-                        if name in group else None) for name in _MASKS}
+            raise SelectionLogError(f"{where} lacks metadata: {', '.join(missing)}")
+        attrs = {name: self._attr(group, name, kind, where) for name, kind in _ENTRY_ATTRS.items()}
+        masks = {name: self._mask(sample, layer, group, name) for name in _MASKS}
         stored = sum(item.id.get_storage_size() for name, item in group.items()
                      if name not in _MASKS and isinstance(item, h5py.Dataset))  # the table's datasets
-        return EntryInfo(sample=sample, layer=layer, n_queries=int(attrs["n_queries"]), k=int(attrs["k"]),
-                         n_keys=int(attrs["n_keys"]), causal=bool(attrs["causal"]), **masks,
-                         fingerprint=_text(attrs["fingerprint"]), encoding=_text(attrs["encoding"]),
-                         hyscale_version=_text(attrs["hyscale_version"]), created=_text(attrs["created"]),
-                         stored_bytes=int(stored))
+        return EntryInfo(sample=sample, layer=layer, **attrs, **masks, stored_bytes=int(stored))
+
+    def _mask(self, sample: str, layer: str, group: h5py.Group, name: str) -> np.ndarray | None:
+        """The stored mask ``name`` as int64 [n], None if the entry has none; SelectionLogError
+        unless it holds 1-D integers."""
+        if name not in group:
+            return None
+        values = self._read(sample, layer, group, name, 0, slice(None))
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise SelectionLogError(f"{self._where(sample, layer)}: dataset {name!r} has shape {values.shape} and "
+                                    f"dtype {values.dtype}, expected 1-D integers")
+        return values.astype(np.int64)
 
     def _read(self, sample: str, layer: str, group: h5py.Group, name: str, axis: int, rows: slice) -> np.ndarray:
-        """Rows ``rows`` of one dataset; SelectionLogError if it is missing or corrupted."""
-        if name not in group or not isinstance(group[name], h5py.Dataset):
+        """Rows ``rows`` (along ``axis``) of one dataset; SelectionLogError if it is missing,
+        has no such axis or is corrupted."""
+        dataset = self._child(group, name, h5py.Dataset)
+        if dataset is None:
             raise SelectionLogError(f"{self._where(sample, layer)} has no dataset {name!r}")
-        dataset = group[name]
+        if dataset.ndim <= axis:
+            raise SelectionLogError(f"{self._where(sample, layer)}: dataset {name!r} has shape {dataset.shape}, "
+                                    f"expected rows along axis {axis}")
         try:
             if dataset.size == 0:  # stored unchunked: read it whole (nothing), slice here
                 return dataset[()][(slice(None),) * axis + (rows,)]
