@@ -150,3 +150,12 @@ def causal_selection(rng: np.random.Generator, n: int, k: int, cu_seqlens=None) 
         m = min(k, t - starts[t] + 1)
         table[t, :m] = starts[t] + rng.choice(t - starts[t] + 1, m, replace=False)
     return table
+
+
+def dataset_in_place_of(path: str):
+    """A mutation of an open HDF5 file: the group at ``path`` replaced by a
+    small dataset (a malformed selection log)."""
+    def mutate(f) -> None:
+        del f[path]
+        f[path] = np.arange(3)
+    return mutate

@@ -5,7 +5,7 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import causal_selection
+from helpers import causal_selection, dataset_in_place_of
 from hyscale_core.cli import main
 from hyscale_core.io import SelectionLog
 from hyscale_core.io.compare import row_drift
@@ -109,18 +109,9 @@ def _attr(name, value):
     return lambda f: f["samples/0/1"].attrs.__setitem__(name, value)
 
 
-def _sample_is_a_dataset(f):
-    del f["samples/1"]
-    f["samples/1"] = np.arange(3)
-
-
-def _layer_is_a_dataset(f):
-    del f["samples/0/1"]
-    f["samples/0/1"] = np.arange(3)
-
-
 @pytest.mark.parametrize("mutate", [lambda f: f["samples/0/1"].attrs.__delitem__("k"), _attr("n_queries", "three"),
-                                    _attr("n_keys", np.array([3, 3])), _sample_is_a_dataset, _layer_is_a_dataset],
+                                    _attr("n_keys", np.array([3, 3])), dataset_in_place_of("samples/1"),
+                                    dataset_in_place_of("samples/0/1")],
                          ids=["missing k", "n_queries string", "n_keys array", "sample dataset", "layer dataset"])
 def test_malformed_entries_are_one_line_errors_naming_the_file(logs, mutate, capsys):
     a, b, _ = logs

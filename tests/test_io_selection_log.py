@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import causal_selection
+from helpers import causal_selection, dataset_in_place_of
 from hyscale_core.io import (FingerprintMismatchError, IncompleteLogError, SelectionLog, SelectionLogError,
                              fingerprint)
 from hyscale_core.io.encodings import ENCODINGS, LEHMER
@@ -267,16 +267,6 @@ def test_entries_record_the_writer_version_and_mix_across_versions(tmp_path, tab
 
 
 
-def _sample_is_a_dataset(f):
-    del f["samples/s"]
-    f["samples/s"] = np.arange(3)
-
-
-def _layer_is_a_dataset(f):
-    del f["samples/s/L"]
-    f["samples/s/L"] = np.arange(3)
-
-
 def _table_is_a_group(f):
     del f["samples/s/L/table"]
     f.create_group("samples/s/L/table")
@@ -298,8 +288,8 @@ MALFORMED = {
     "k negative": (_set_attr("k", -1), r"attribute 'k' is np.int64\(-1\), expected an integer >= 0"),
     "causal int": (_set_attr("causal", 1), r"attribute 'causal' is np.int64\(1\), expected a bool"),
     "fingerprint int": (_set_attr("fingerprint", 7), r"attribute 'fingerprint' is np.int64\(7\), expected a string"),
-    "sample is a dataset": (_sample_is_a_dataset, r": /samples/s is an HDF5 Dataset, expected a Group"),
-    "layer is a dataset": (_layer_is_a_dataset, r": /samples/s/L is an HDF5 Dataset, expected a Group"),
+    "sample is a dataset": (dataset_in_place_of("samples/s"), r": /samples/s is an HDF5 Dataset, expected a Group"),
+    "layer is a dataset": (dataset_in_place_of("samples/s/L"), r": /samples/s/L is an HDF5 Dataset, expected a Group"),
     "table is a group": (_table_is_a_group, r": /samples/s/L/table is an HDF5 Group, expected a Dataset"),
     "table is a scalar": (_table_is_a_scalar, r"dataset 'table' has shape \(\), expected rows along axis 0"),
     "q_pos float": (lambda f: f.create_dataset("samples/s/L/q_pos", data=np.array([0.5, 1.0, 2.0])),
@@ -324,7 +314,8 @@ def test_malformed_entries_raise_selection_log_error_naming_them(tmp_path, case)
 
 
 def test_malformed_layout_is_named_when_listing_and_appending(tmp_path):
-    for mutate, where in ((_sample_is_a_dataset, "/samples/s is"), (_layer_is_a_dataset, "/samples/s/L is")):
+    for group in ("samples/s", "samples/s/L"):
+        mutate, where = dataset_in_place_of(group), f"/{group} is"
         path = malformed_log(tmp_path / "a.h5", mutate)
         with SelectionLog(path, "a") as log:
             for call in (log.keys, log.incomplete_entries, lambda: log.layers("s"),
