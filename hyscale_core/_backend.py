@@ -13,8 +13,9 @@ import numpy as np
 CPU = "cpu"
 GPU = "gpu"
 
-# DLPack device types (dlpack.h, DLDeviceType).
-_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+# DLPack device types (dlpack.h, DLDeviceType); the host ones NumPy imports.
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_ROCM_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 11, 13
+_DL_HOST = (_DL_CPU, _DL_CUDA_HOST, _DL_ROCM_HOST)
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,12 +38,27 @@ def _is_cupy_array(x: Any) -> bool:
     return cp is not None and isinstance(x, cp.ndarray)
 
 
+def _device_type(x: Any, name: str) -> int:
+    """The DLPack device type ``x.__dlpack_device__()`` reports; TypeError naming
+    ``name`` if the call fails or does not give (device_type, device_id)."""
+    producer = f"{type(x).__name__}.__dlpack_device__()"
+    try:
+        device = x.__dlpack_device__()
+    except Exception as exc:  # a foreign producer's own failure, whatever its type
+        raise TypeError(f"{name}: {producer} raised {exc!r}") from exc
+    try:
+        device_type, _ = device
+        return int(device_type)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name}: {producer} must give (device_type, device_id), got {device!r}") from exc
+
+
 def _from_dlpack(x: Any, name: str) -> tuple[str, Any]:
-    device_type = x.__dlpack_device__()[0]
-    if device_type in (_DL_CPU, _DL_CUDA_HOST):
+    device_type = _device_type(x, name)
+    if device_type in _DL_HOST:
         from ._dlpack import host_from_dlpack
 
-        return CPU, host_from_dlpack(x)
+        return CPU, host_from_dlpack(x, name)
     if device_type in (_DL_CUDA, _DL_CUDA_MANAGED):
         cp = cupy_module()
         if cp is None:

@@ -58,25 +58,42 @@ class _Capsule:
         return (1, 0)
 
 
-def _bfloat16_from_dlpack(x: Any) -> np.ndarray | None:
+# DLDataTypeCode names (dlpack.h) for the error of a dtype NumPy cannot import.
+_DL_CODES = {0: "int", 1: "uint", 2: "float", 3: "handle", 4: "bfloat", 5: "complex", 6: "bool"}
+
+
+def _legacy_import(x: Any) -> tuple[np.ndarray | None, str]:
+    """``(array or None, the tensor's DLPack dtype)`` from a legacy capsule of
+    ``x``: the array for a bfloat16 tensor (relabelled uint16, viewed as
+    bfloat16), None for any other dtype (NumPy took it or refused it already)."""
     capsule = x.__dlpack__()
     try:
         pointer = _capsule_pointer(capsule, b"dltensor")
-    except ValueError:  # not a legacy capsule: leave it to the caller's error
-        return None
+    except ValueError:  # not a legacy capsule
+        return None, "unknown"
     dtype = _DLManagedTensor.from_address(pointer).dl_tensor.dtype
+    text = (f"{_DL_CODES[dtype.code]}{dtype.bits}" if dtype.code in _DL_CODES
+            else f"code {dtype.code} of {dtype.bits} bits") + (f" x {dtype.lanes} lanes" if dtype.lanes != 1 else "")
     if (dtype.code, dtype.bits, dtype.lanes) != (_DL_BFLOAT, 16, 1):
-        return None
+        return None, text
     dtype.code = _DL_UINT
-    return np.from_dlpack(_Capsule(capsule)).view(bfloat16)
+    return np.from_dlpack(_Capsule(capsule)).view(bfloat16), text
 
 
-def host_from_dlpack(x: Any) -> np.ndarray:
-    """Import a host DLPack producer as a NumPy array without copying."""
+def host_from_dlpack(x: Any, name: str) -> np.ndarray:
+    """Import a host DLPack producer as a NumPy array without copying; TypeError
+    naming ``name`` (and the tensor's DLPack dtype where it can be read) if
+    neither NumPy nor the bfloat16 relabelling takes it. Where NumPy refuses,
+    ``x.__dlpack__()`` is called a second time, for a legacy capsule."""
     try:
         return np.from_dlpack(x)
     except (BufferError, TypeError, RuntimeError, ValueError) as exc:
-        array = _bfloat16_from_dlpack(x)
-        if array is None:
-            raise TypeError(f"cannot import {type(x).__name__} through DLPack: {exc}") from exc
-        return array
+        refused = exc
+    try:
+        array, dtype = _legacy_import(x)
+    except Exception:  # the producer failed again: report its first failure
+        array, dtype = None, "unknown"
+    if array is None:
+        raise TypeError(f"{name} cannot be imported through DLPack ({type(x).__name__}, DLPack dtype {dtype}): "
+                        f"{refused}") from refused
+    return array

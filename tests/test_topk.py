@@ -132,30 +132,6 @@ def test_hypothesis_int64_matches_reference(a, data):
     check_against_reference("cpu", a, k, data.draw(st.booleans()), data.draw(st.booleans()))
 
 
-class _DLPackOnly:
-    """A foreign array: it offers nothing but the DLPack protocol."""
-
-    def __init__(self, array):
-        self._array = array
-
-    def __dlpack__(self, **kwargs):
-        return self._array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._array.__dlpack_device__()
-
-
-def test_dlpack_producer_is_imported_without_copy():
-    from hyscale_core._backend import as_array
-
-    a = np.random.default_rng(5).standard_normal((3, 50)).astype(np.float32)
-    backend, imported = as_array(_DLPackOnly(a), "a")
-    assert backend == "cpu" and np.shares_memory(imported, a)
-    values, indices = hs.topk(_DLPackOnly(a), 5)
-    assert isinstance(indices, np.ndarray)
-    np.testing.assert_array_equal(indices, hs.topk(a, 5)[1])
-
-
 def test_empty_leading_dimension():
     values, indices = hs.topk(np.zeros((0, 5), np.float32), 2)
     assert values.shape == (0, 2) and indices.shape == (0, 2)
