@@ -69,6 +69,15 @@ def check_shape(a: Any, shape: tuple[int, ...], name: str, layout: str) -> None:
         raise ValueError(f"{name} must have shape {layout} = {tuple(shape)}, got {tuple(a.shape)}")
 
 
+INT32_MAX = 2**31 - 1
+
+
+def check_slot_count(indices: Any, name: str) -> None:
+    """The index table's column count fits int32 (the kernels' slot numbers)."""
+    if indices.shape[-1] > INT32_MAX:
+        raise ValueError(f"{name} has {indices.shape[-1]} columns (slots per query); at most {INT32_MAX} are supported")
+
+
 def check_index_table(indices: Any, n_keys: int, name: str, xp: Any) -> None:
     """Every entry of the int table ``indices`` is -1 (skip) or a key in ``[0, n_keys)``.
 

@@ -444,6 +444,17 @@ def test_a_scale_float64_holds_is_taken_with_float64_inputs():
     assert np.isposinf(lse[0, 0])  # lse is float32 whatever the inputs (Precision): 1e300 is past its range
 
 
+def test_more_slots_than_int32_holds_are_refused():
+    """k past 2**31 - 1 (the kernels' slot numbers are int32): a ValueError before
+    anything reads the table (a zero-strided view: no 8 GiB allocated)."""
+    wide = np.broadcast_to(np.int32(0), (1, 2**31))
+    q, kv = np.zeros((1, 1, 16), np.float32), np.zeros((2, 16), np.float32)
+    with pytest.raises(ValueError, match="indices has 2147483648 columns"):
+        hs.sparse_attention(q, kv, wide, d_v=8)
+    with pytest.raises(ValueError, match="indices has 2147483648 columns"):
+        hs.indexer_scores_at(q, kv, np.ones((1, 1), np.float32), wide)
+
+
 def test_missing_saved_tensors_are_named():
     args = _saved()
     for name in ("out", "lse", "dout"):

@@ -125,6 +125,17 @@ def test_k_zero_gives_empty_results():
     assert values.shape == indices.shape == (3, 0) and indices.dtype == np.int64
 
 
+def test_rows_past_a_launch_go_in_batches(monkeypatch):
+    """More rows than one launch takes (ROW_BATCH, 2**30 by default; 7 here):
+    the batches' results are those of the CPU backend, in row order."""
+    from hyscale_core.ops.topk import gpu
+
+    monkeypatch.setattr(gpu, "ROW_BATCH", 7)
+    a = awkward_array(np.random.default_rng(2), (23, 300), np.float32)
+    check_gpu_equals_cpu(a, 20)
+    check_gpu_equals_cpu(a, 5, largest=False, sort_output=False)
+
+
 def test_row_of_two_to_the_24():
     rng = np.random.default_rng(1)
     a = rng.standard_normal((1, 1 << 24)).astype(np.float32)

@@ -66,3 +66,13 @@ def test_sample_rank_sits_below_the_expected_rank():
         assert ranks == sorted(ranks)
         for k, r in zip((1, 256, 2048, 4096), ranks):
             assert m * k / n < r <= m
+
+
+def test_a_launch_past_the_grid_is_refused():
+    """rows x chunks blocks past 2**31 - 1 cannot be one launch: topk_rows
+    batches the rows (ROW_BATCH) so that the grid and TopkArgs' 32-bit row
+    count hold; prepare refuses what would not fit rather than launch it."""
+    assert gpu.ROW_BATCH <= 2**31 - 1  # a batch of one-block rows is one launch
+    p = gpu.plan(4, 1000, 10, 4, H200_SMS)
+    with pytest.raises(ValueError, match="need more blocks than a launch holds"):
+        gpu.prepare(2**31, 1000, 10, "float32", True, True, p, 0)

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..._backend import CPU, as_arrays, xp_for
-from ..._checks import check_dtype, check_finite, check_index_table, check_ndim, check_same, check_shape, float_view
+from ..._checks import (check_dtype, check_finite, check_index_table, check_ndim, check_same, check_shape,
+                        check_slot_count, float_view)
 from ..._docs import with_note
 from ..._dtypes import FLOAT_DTYPES, INDEX_DTYPES, INDEXER_DTYPES, compute_dtype
 
@@ -51,6 +52,7 @@ def _prepare(**named: Any) -> tuple[str, Any, dict[str, Any]]:
     check_ndim(k, 2, "k", "[Nk, D]")
     check_ndim(w, 2, "w", "[N, H]")
     check_ndim(indices, 2, "indices", "[N, kk]")
+    check_slot_count(indices, "indices")
     check_dtype(q, INDEXER_DTYPES, "q")
     check_dtype(k, INDEXER_DTYPES, "k")
     check_dtype(w, FLOAT_DTYPES, "w")

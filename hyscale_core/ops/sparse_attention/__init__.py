@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..._backend import CPU, as_arrays, xp_for
-from ..._checks import (check_dtype, float_view, check_index_table, check_int, check_ndim, check_same,
-                        check_scale, check_shape)
+from ..._checks import (check_dtype, check_index_table, check_int, check_ndim, check_same, check_scale, check_shape,
+                        check_slot_count, float_view)
 from ..._docs import with_note
 from ..._dtypes import FLOAT_DTYPES, INDEX_DTYPES, compute_dtype
 
@@ -52,6 +52,7 @@ def _prepare(d_v: Any, scale: Any, check_indices: bool = True,
     check_ndim(q, 3, "q", "[N, h, d_qk]")
     check_ndim(kv, 2, "kv", "[N_kv, d_qk]")
     check_ndim(indices, 2, "indices", "[N, k]")
+    check_slot_count(indices, "indices")
     check_dtype(q, FLOAT_DTYPES, "q")
     check_dtype(kv, FLOAT_DTYPES, "kv")
     check_dtype(indices, INDEX_DTYPES, "indices")

@@ -35,6 +35,9 @@ SMALL_BUFFER = 64 << 10
 # tie-heavy rows over 2x slower than random ones.
 MAX_SPAN = 16384
 POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
+# Rows per launch, at most: the grid holds rows x chunks blocks (2**31 - 1 at
+# most) and TopkArgs counts rows in 32 bits; more rows go in batches.
+ROW_BATCH = 1 << 30
 
 _DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4, "int64": 5}
 
@@ -175,6 +178,9 @@ def args_fields(n_rows: int, n: int, k: int, by_key: bool, p: Plan) -> np.ndarra
 
 def prepare(n_rows: int, n: int, k: int, dtype, largest: bool, by_key: bool, p: Plan, device: int) -> Launch:
     """The launch of ``p`` on rows ``[n_rows, n]`` of ``dtype``."""
+    if n_rows * p.chunks > (1 << 31) - 1:
+        raise ValueError(f"{n_rows} rows of {p.chunks} chunks need more blocks than a launch holds; "
+                         f"topk_rows takes them in batches of ROW_BATCH rows")
     fields = args_fields(n_rows, n, k, by_key, p)
     # Plain bytes: CuPy reads a structured array's description at every
     # launch (benchmarks/gpu_launch_args.py).
@@ -233,5 +239,8 @@ def topk_rows(rows, k: int, largest: bool, sort_output: bool):
         return rows.copy(), indices
     if k == n or k > SORT_CAP or n >= 1 << 31:
         return gpu_sort.topk_rows(cp, rows, k, largest, sort_output)
+    if n_rows > ROW_BATCH:
+        parts = [topk_rows(rows[a:a + ROW_BATCH], k, largest, sort_output) for a in range(0, n_rows, ROW_BATCH)]
+        return cp.concatenate([v for v, _ in parts]), cp.concatenate([i for _, i in parts])
     device = cp.cuda.runtime.getDevice()
     return run(cp, rows, k, _default_launch(n_rows, n, k, rows.dtype, largest, sort_output, device), device)
