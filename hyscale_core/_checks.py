@@ -131,4 +131,3 @@ def check_finite(a: Any, name: str, xp: Any, taken_as: Any = None) -> None:
         value = float(a[pos])
         beyond = f" in {np.dtype(taken_as).name}, the precision it is taken in" if np.isfinite(value) else ""
         raise ValueError(f"{name} must be finite{beyond}, got {name}[{where}] = {value}")
-
