@@ -38,6 +38,20 @@ def _is_cupy_array(x: Any) -> bool:
     return cp is not None and isinstance(x, cp.ndarray)
 
 
+def check_device(name: str, device_id: int, current: int) -> None:
+    """A device argument must live on the current device, where the kernels
+    launch (CuPy's own ufuncs refuse other devices the same way)."""
+    if device_id != current:
+        raise ValueError(f"{name} lives on GPU {device_id} but the current device is GPU {current}; call inside "
+                         f"`with cupy.cuda.Device({device_id}):`")
+
+
+def _on_current_device(x: Any, name: str) -> Any:
+    """The CuPy array ``x``, checked to live on the current device."""
+    check_device(name, x.device.id, cupy_module().cuda.runtime.getDevice())
+    return x
+
+
 def _device_type(x: Any, name: str) -> int:
     """The DLPack device type ``x.__dlpack_device__()`` reports; TypeError naming
     ``name`` if the call fails or does not give (device_type, device_id)."""
@@ -66,7 +80,7 @@ def _from_dlpack(x: Any, name: str) -> tuple[str, Any]:
                 f"{name} lives on a CUDA device but CuPy is not available; "
                 "install hyscale-core[cuda]"
             )
-        return GPU, cp.from_dlpack(x)
+        return GPU, _on_current_device(cp.from_dlpack(x), name)
     raise TypeError(f"{name} lives on DLPack device type {device_type}, which is not supported")
 
 
@@ -75,12 +89,13 @@ def as_array(x: Any, name: str) -> tuple[str, Any]:
 
     NumPy arrays -> CPU, CuPy arrays -> GPU, objects with ``__dlpack__`` are
     imported without a copy on their own side, other array-likes go through
-    ``numpy.asarray``.
+    ``numpy.asarray``. A device array must live on the current device
+    (ValueError naming it otherwise).
     """
     if isinstance(x, np.ndarray):
         return CPU, x
     if _is_cupy_array(x):
-        return GPU, x
+        return GPU, _on_current_device(x, name)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         return _from_dlpack(x, name)
     try:

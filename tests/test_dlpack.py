@@ -94,3 +94,29 @@ def test_unsupported_devices_are_named():
 def test_cuda_tensors_without_cupy_are_named():
     with pytest.raises(TypeError, match="a lives on a CUDA device but CuPy is not available"):
         hs.topk(Producer(SCORES, (2, 0)), 2)
+
+
+def test_device_arrays_must_live_on_the_current_device():
+    """The kernels launch on the current device: an argument on another GPU is
+    named with both devices (the check as_array makes for CuPy arrays and CUDA
+    DLPack imports)."""
+    from hyscale_core._backend import check_device
+
+    check_device("q", 0, 0)
+    with pytest.raises(ValueError, match=r"^kv lives on GPU 1 but the current device is GPU 0; call inside "
+                                         r"`with cupy.cuda.Device\(1\):`"):
+        check_device("kv", 1, 0)
+
+
+@pytest.mark.gpu
+def test_an_array_on_another_gpu_is_refused():
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    with cupy.cuda.Device(1):
+        scores = cupy.asarray(SCORES)
+    with pytest.raises(ValueError, match="a lives on GPU 1 but the current device is GPU 0"):
+        hs.topk(scores, 5)
+    with cupy.cuda.Device(1):
+        np.testing.assert_array_equal(hs.topk(scores, 5)[1].get(), hs.topk(SCORES, 5)[1])
