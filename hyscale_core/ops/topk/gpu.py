@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..._backend import cupy_module
+from ..._checks import INT32_MAX
 from ...gpu.module import get_kernel, multiprocessor_count
 from . import gpu_sort
 from .keys import key_spec
@@ -178,7 +179,7 @@ def args_fields(n_rows: int, n: int, k: int, by_key: bool, p: Plan) -> np.ndarra
 
 def prepare(n_rows: int, n: int, k: int, dtype, largest: bool, by_key: bool, p: Plan, device: int) -> Launch:
     """The launch of ``p`` on rows ``[n_rows, n]`` of ``dtype``."""
-    if n_rows * p.chunks > (1 << 31) - 1:
+    if n_rows * p.chunks > INT32_MAX:
         raise ValueError(f"{n_rows} rows of {p.chunks} chunks need more blocks than a launch holds; "
                          f"topk_rows takes them in batches of ROW_BATCH rows")
     fields = args_fields(n_rows, n, k, by_key, p)
