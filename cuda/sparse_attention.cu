@@ -389,8 +389,9 @@ __device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2
         const float inv = total > 0.f ? 1.f / total : 0.f;
         u16* dst = out + ((size_t)t * h + head) * DV + ln.w * 256 + ln.cq;
         #pragma unroll
-        for (int j = 0; j < 32; ++j)
-            *reinterpret_cast<u32*>(dst + 8 * j) = pack_half2<F16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        for (int j = 0; j < 32; ++j)  // streaming stores: out is not read again, the L2 keeps kv rows instead
+            __stcs(reinterpret_cast<unsigned int*>(dst + 8 * j),
+                   pack_half2<F16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv));
         const float base2 = total > 0.f ? m[r] + log2f(total) : neg_inf();
         if (ln.w == 0 && (threadIdx.x & 3) == 0) {
             lse[(size_t)t * h + head] = base2 * LN2;
