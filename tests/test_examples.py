@@ -143,3 +143,11 @@ def test_jax_dlpack_example():
     else:
         assert done.stdout.count("zero-copy") >= 5  # every input crosses without a copy
         assert "selections shared with JAX's own top-k" in done.stdout  # >= 99%, or the example exits 1
+
+
+def test_jax_dlpack_selection_check_counts_keys_missing_on_either_side():
+    shared_fraction = load_example("jax_dlpack.py").shared_fraction
+    theirs = np.array([[0, 1, 2], [3, 4, -1]])
+    assert shared_fraction(theirs.copy(), theirs) == 1.0
+    assert shared_fraction(np.array([[0, 1, -1], [3, 4, -1]]), theirs) == 0.5 * (2 / 3 + 1)  # we miss key 2
+    assert shared_fraction(np.array([[0, 1, 2], [3, 4, 5]]), theirs) == 0.5 * (1 + 2 / 3)  # we add key 5
