@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -56,18 +57,30 @@ import hyscale_core as hs
 from hyscale_core._backend import cupy_module, to_host
 from hyscale_core.engine import AdamW, DSAConfig, LiveSelection, TinyDSA, backward, no_grad
 from hyscale_core.engine.needle import NeedleTask, needle_recall
+from hyscale_core.ops.indexer import MAX_TOPK
 from hyscale_core.mpi import abort_on_error, launched_world, use_local_gpu
 from hyscale_core.mpi.engine import ShardedRunner
 
 
+# --quick's sizes: defaults only, so an option given on the command line still wins.
+QUICK = {"steps": 6, "warmup_steps": 3, "length": 64, "warmup_length": 32, "tokens": 256, "eval_every": 3,
+         "eval_sequences": 4, "topk": 8, "log_samples": 2, "log_sequences": 4}
+# The least value of each int option (--length and the top-k options are checked on their own).
+LEAST = {"steps": 0, "warmup_steps": 0, "layers": 1, "seed": 0, "eval_every": 1, "eval_sequences": 1,
+         "log_samples": 1, "log_sequences": 1}
+
+
 def parse(argv=None) -> argparse.Namespace:
+    """The options, checked: a bad value is a usage error (exit 2) here, before any training."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="training steps in all")
-    p.add_argument("--warmup-steps", type=int, default=200, help="dense warm-up steps (the first ones)")
+    p.add_argument("--warmup-steps", type=int, default=200,
+                   help="dense warm-up steps (the first ones; at most --steps)")
     p.add_argument("--length", type=int, default=512, help="sequence length of the sparse stage and eval")
     p.add_argument("--warmup-length", type=int, default=64, help="sequence length of the dense warm-up")
     p.add_argument("--topk", type=int, default=16, help="keys each query attends to (sparse stage, eval)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per step (sequences packed)")
+    p.add_argument("--tokens", type=int, default=4096,
+                   help="tokens per step: --tokens // (the stage's length) sequences, packed")
     p.add_argument("--layers", type=int, default=1, help="DSA blocks (1 learns fastest on 2 CPU cores)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
@@ -76,23 +89,91 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     p.add_argument("--out", type=Path, default=Path("tiny_dsa_out"), help="folder for history, params, plot")
     p.add_argument("--log", type=Path, help="write the trained model's selections to this HDF5 SelectionLog")
-    p.add_argument("--log-append", action="store_true", help="add to an existing log instead of replacing it")
+    p.add_argument("--log-append", action="store_true",
+                   help="add to an existing log instead of replacing it (samples are named by seed)")
     p.add_argument("--log-samples", type=int, default=4, help="rollout samples in the log")
     p.add_argument("--log-sequences", type=int, default=16, help="sequences packed in one logged sample")
     p.add_argument("--log-length", type=int, help="sequence length of the rollout (default --length)")
     p.add_argument("--log-topk", type=int, help="top-k of the rollout (default --topk)")
     p.add_argument("--load", type=Path, help="start from these parameters (a params.npz this program wrote)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes and a few steps (a smoke test)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes and a few steps (a smoke test); options given as well still apply")
+    if p.parse_known_args(argv)[0].quick:
+        p.set_defaults(**QUICK)
     args = p.parse_args(argv)
-    if args.quick:
-        args.steps, args.warmup_steps, args.length, args.warmup_length = 6, 3, 64, 32
-        args.tokens, args.eval_every, args.eval_sequences, args.topk = 256, 3, 4, 8
-        args.log_samples, args.log_sequences = 2, 4
-    if args.steps < 0 or args.warmup_steps < 0:
-        p.error("--steps and --warmup-steps must be >= 0")
+    args.log_length = args.length if args.log_length is None else args.log_length
+    args.log_topk = args.topk if args.log_topk is None else args.log_topk
+    try:
+        check_args(args)
+    except ValueError as e:
+        p.error(str(e))
     args.warmup_steps = min(args.warmup_steps, args.steps)
-    args.log_length, args.log_topk = args.log_length or args.length, args.log_topk or args.topk
     return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the option for a value the run cannot use, or would
+    silently replace; the files are checked too, so nothing fails after training."""
+    for name, least in LEAST.items():
+        if getattr(args, name) < least:
+            raise ValueError(f"{_option(name)} must be >= {least}, got {getattr(args, name)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be finite and > 0, got {args.lr}")
+    for name in ("topk", "log_topk"):
+        if not 1 <= getattr(args, name) <= MAX_TOPK:
+            raise ValueError(f"{_option(name)} must be in [1, {MAX_TOPK}], got {getattr(args, name)}")
+    for name in ("length", "warmup_length", "log_length"):
+        try:
+            NeedleTask(length=getattr(args, name))
+        except ValueError as e:
+            raise ValueError(f"{_option(name)} {getattr(args, name)}: {e}") from None
+    dense = min(args.warmup_steps, args.steps)
+    for name, steps in (("warmup_length", dense), ("length", args.steps - dense)):
+        if steps and args.tokens < getattr(args, name):
+            raise ValueError(f"--tokens {args.tokens} holds no whole sequence of {_option(name)} "
+                             f"{getattr(args, name)} (a step packs --tokens // length sequences)")
+    check_paths(args)
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """--load exists, --out is a folder or nothing yet, --log can be written and,
+    with --log-append, holds none of this rollout's sample names."""
+    if args.load is not None and not args.load.is_file():
+        raise ValueError(f"--load {args.load}: no such file")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} exists and is not a folder")
+    if args.log is None:
+        if args.log_append:
+            raise ValueError("--log-append needs --log")
+        return
+    if not args.log.parent.is_dir():
+        raise ValueError(f"--log {args.log}: no folder {args.log.parent}")
+    if args.log.is_dir():
+        raise ValueError(f"--log {args.log} is a folder")
+    if args.log_append and args.log.exists():
+        taken = sorted(set(sample_names(args)) & set(_logged_samples(args.log)))
+        if taken:
+            raise ValueError(f"--log-append: {args.log} already holds samples {', '.join(taken)} "
+                             f"(samples are named by length, top-k and seed: another --seed adds new ones)")
+
+
+def _logged_samples(path: Path) -> list[str]:
+    from hyscale_core.io import SelectionLog, SelectionLogError
+
+    try:
+        with SelectionLog(path) as log:
+            return log.samples()
+    except (SelectionLogError, OSError) as e:
+        raise ValueError(f"--log-append: {path} cannot be read as a SelectionLog ({e})") from None
+
+
+def sample_names(args: argparse.Namespace) -> list[str]:
+    """The rollout's sample names in the log."""
+    return [f"L{args.log_length}-top{args.log_topk}-seed{args.seed}-{i}" for i in range(args.log_samples)]
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def array_module(device: str):
@@ -200,8 +281,7 @@ def write_log(path: Path, args, model: TinyDSA, xp, runner=None, lead: bool = Tr
     task = NeedleTask(length=args.log_length, fillers=256)
     rng = np.random.default_rng(args.seed + 3)
     with SelectionLog(path, "a" if args.log_append else "w") if lead else contextlib.nullcontext() as log:
-        for i in range(args.log_samples):
-            sample = f"L{task.length}-top{args.log_topk}-{i}"
+        for sample in sample_names(args):
             batch = task.batch(rng, args.log_sequences)
             _, selections = run_model(model, batch, args.log_topk, xp, runner=runner)
             if not lead:

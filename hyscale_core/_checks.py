@@ -5,6 +5,7 @@ type or dtype) whose message names the argument and the offending value.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -45,21 +46,30 @@ def check_same(name_a: str, value_a: int, name_b: str, value_b: int, what: str) 
         raise ValueError(f"{what} mismatch: {name_a} has {value_a}, {name_b} has {value_b}")
 
 
+def check_real(value: Any, name: str, positive: bool = False) -> float:
+    """``value`` as a finite Python float, >= 0 (> 0 with ``positive``); errors name it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        number = math.inf
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise ValueError(f"{name} must be finite and {'> 0' if positive else '>= 0'}, got {value!r}")
+    return number
+
+
 def check_scale(scale: Any, default: float, taken_as: Any = np.float64) -> float:
     """``scale`` as a finite positive Python float, also once rounded to
     ``taken_as`` (the dtype the computation takes it in); ``None`` gives
     ``default``."""
     if scale is None:
         return float(default)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
-        raise TypeError(f"scale must be a real number or None, got {scale!r}")
-    value = float(scale)
-    if not (np.isfinite(value) and value > 0.0):
-        raise ValueError(f"scale must be finite and positive, got {value!r}")
+    value = check_real(scale, "scale", positive=True)
     with np.errstate(over="ignore", under="ignore"):
         rounded = float(np.dtype(taken_as).type(value))
     if not (np.isfinite(rounded) and rounded > 0.0):
-        raise ValueError(f"scale must be finite and positive in {np.dtype(taken_as).name}, the precision it is "
+        raise ValueError(f"scale must be finite and > 0 in {np.dtype(taken_as).name}, the precision it is "
                          f"taken in, got {value!r}")
     return value
 

@@ -413,14 +413,15 @@ FORWARD_ERRORS = [
     (_bad(d_v=0), ValueError, r"d_v must be in \[1, 16\], got 0"),
     (_bad(d_v=17), ValueError, r"d_v must be in \[1, 16\], got 17"),
     (_bad(d_v=8.0), TypeError, "d_v must be an integer"),
-    (_bad(scale=0.0), ValueError, "scale must be finite and positive, got 0.0"),
-    (_bad(scale=-1), ValueError, "scale must be finite and positive, got -1.0"),
-    (_bad(scale=float("nan")), ValueError, "scale must be finite and positive, got nan"),
-    (_bad(scale=float("inf")), ValueError, "scale must be finite and positive, got inf"),
-    (_bad(scale="0.1"), TypeError, "scale must be a real number or None, got '0.1'"),
-    (_bad(scale=True), TypeError, "scale must be a real number or None, got True"),
-    (_bad(scale=1e300), ValueError, "scale must be finite and positive in float32, .* got 1e[+]300"),
-    (_bad(scale=1e-50), ValueError, "scale must be finite and positive in float32, .* got 1e-50"),
+    (_bad(scale=0.0), ValueError, "scale must be finite and > 0, got 0.0"),
+    (_bad(scale=-1), ValueError, "scale must be finite and > 0, got -1"),
+    (_bad(scale=float("nan")), ValueError, "scale must be finite and > 0, got nan"),
+    (_bad(scale=float("inf")), ValueError, "scale must be finite and > 0, got inf"),
+    (_bad(scale="0.1"), TypeError, "scale must be a real number, got '0.1'"),
+    (_bad(scale=True), TypeError, "scale must be a real number, got True"),
+    (_bad(scale=1e300), ValueError, "scale must be finite and > 0 in float32, .* got 1e[+]300"),
+    (_bad(scale=1e-50), ValueError, "scale must be finite and > 0 in float32, .* got 1e-50"),
+    (_bad(scale=10**400), ValueError, "scale must be finite and > 0, got 1000"),  # an int past float's range
 ]
 
 

@@ -5,13 +5,11 @@ type or dtype) that names the argument and the offending value.
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import numpy as np
 
-from .._checks import check_int
+from .._checks import check_int, check_real
 from .._dtypes import FLOAT_DTYPES, dtype_names
 from ..ops.indexer import MAX_TOPK
 
@@ -31,19 +29,6 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"DSAConfig.rope_dim must be even (RoPE rotates pairs of dims), got {cfg.rope_dim}")
     check_real(cfg.kl_weight, "DSAConfig.kl_weight")
     _check_attention_dtype(cfg.attention_dtype)
-
-
-def check_real(value: Any, name: str, positive: bool = False) -> float:
-    """``value`` as a finite Python float, >= 0 (> 0 with ``positive``); errors name it."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int past float's range
-        number = math.inf
-    if not math.isfinite(number) or number < 0 or (positive and number == 0):
-        raise ValueError(f"{name} must be finite and {'> 0' if positive else '>= 0'}, got {value!r}")
-    return number
 
 
 def _check_attention_dtype(value: Any) -> None:

@@ -5,7 +5,7 @@ import math
 from typing import Any, Iterable
 
 from .._backend import array_module
-from .checks import check_real
+from .._checks import check_real
 from .tensor import Tensor
 
 

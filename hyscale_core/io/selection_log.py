@@ -52,7 +52,7 @@ import numpy as np
 from .. import __version__
 from .._backend import GPU, as_array
 from .._checks import check_dtype, check_int, check_ndim
-from ..ops.indexer.ranges import candidate_ranges
+from ..ops.indexer.ranges import candidate_ranges, host_ints
 from . import encodings
 from .entry import EntryInfo, FingerprintMismatchError, IncompleteLogError, SelectionLogError
 from .fingerprint import fingerprint
@@ -157,15 +157,9 @@ def _check_masks(table: np.ndarray, causal: Any, q_pos: Any, cu_seqlens: Any, n_
         r, c = divmod(int(np.flatnonzero(outside)[0]), k)
         raise ValueError(f"indices[{r}, {c}] = {table[r, c]} is neither -1 nor a key query {r} may select "
                          f"(keys {lo[r]} <= s < {hi[r]})")
-    return {"causal": causal, "q_pos": _host_ints(q_pos, "q_pos"), "cu_seqlens": _host_ints(cu_seqlens, "cu_seqlens")}
-
-
-def _host_ints(value: Any, name: str) -> np.ndarray | None:
-    """An already validated integer mask argument as int64 on the host."""
-    if value is None:
-        return None
-    backend, array = as_array(value, name)
-    return np.asarray(array.get() if backend == GPU else array, dtype=np.int64)
+    stored = {name: None if mask is None else host_ints(mask, name) for name, mask in
+              (("q_pos", q_pos), ("cu_seqlens", cu_seqlens))}
+    return {"causal": causal, **stored}
 
 
 class SelectionLog:
@@ -477,7 +471,8 @@ class SelectionLog:
             raise SelectionLogError(f"{self._where(sample, layer)}: {exc}") from exc
         if table.shape[1] != info.k or (rows.stop - rows.start) != table.shape[0]:
             raise SelectionLogError(f"{self._where(sample, layer)}: stored arrays hold a [{table.shape[0]}, "
-                                    f"{table.shape[1]}] table, metadata says rows {rows} of [{info.n_queries}, {info.k}]")
+                                    f"{table.shape[1]}] table, metadata says rows {rows} of "
+                                    f"[{info.n_queries}, {info.k}]")
         if table.size and (table.min() < -1 or table.max() >= info.n_keys):
             raise SelectionLogError(f"{self._where(sample, layer)}: stored table holds indices in [{table.min()}, "
                                     f"{table.max()}], outside [-1, n_keys = {info.n_keys})")

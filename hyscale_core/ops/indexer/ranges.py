@@ -57,7 +57,8 @@ def sequence_bounds(cu_seqlens: Any, n_k: int) -> np.ndarray:
     drops = np.flatnonzero(np.diff(cu) < 0)
     if drops.size:
         i = drops[0]
-        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]={cu[i]} > cu_seqlens[{i + 1}]={cu[i + 1]}")
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]={cu[i]} > "
+                         f"cu_seqlens[{i + 1}]={cu[i + 1]}")
     return cu
 
 
