@@ -17,7 +17,10 @@ then prints the time per phase (slowest rank), the payload bytes each rank
 sent and received (the transport's counters, and the cost model's figure)
 and the load balance (visible causal pairs and selection time per rank
 against the mean). ``--check`` also runs the layer in one process on rank 0
-and compares. ``--json PATH`` writes the summary.
+and compares. ``--json PATH`` writes the summary (into an existing folder).
+A value the layer cannot run (a size or k below 1, k above MAX_TOPK, d_v >
+d_qk, a negative seed, a GPU transport for NumPy arrays, a missing --json
+folder) is a usage error: exit status 2 on every rank before any work.
 
 Arrays are NumPy (CPU backend) unless CuPy sees a GPU (``--cpu`` forces
 NumPy); ranks on one host share its GPUs. Inputs are random, drawn per block
@@ -28,7 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,36 +42,90 @@ from hyscale_core.mpi import abort_on_error, make_shard, use_local_gpu
 from hyscale_core.mpi.costmodel import allgather_bytes
 from hyscale_core.mpi.exchange import AllGather, modelled_bytes, plan_rows
 from hyscale_core.mpi.phases import PhaseLog
+from hyscale_core.mpi.transport import TRANSPORT_ENV, TRANSPORTS
+from hyscale_core.ops.indexer import MAX_TOPK
 
 GEN_BLOCK = 1024
 # (seq_len, topk, index_heads, heads): DSA shapes on the GPU, a small layer on the CPU.
 DEFAULTS = {"gpu": (32768, 2048, 64, 64), "cpu": (2048, 256, 16, 8)}
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: the option's text as an int in [low, high] (high None:
+    no upper bound); outside it a usage error naming the bound."""
+    def convert(text: str) -> int:
+        value = int(text)  # ValueError: argparse reports "invalid int value"
+        if value < low or (high is not None and value > high):
+            bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    convert.__name__ = "int"
+    return convert
+
+
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-len", type=int, help="tokens N (default 32768 on a GPU, 2048 on the CPU)")
-    p.add_argument("--topk", type=int, help="selected keys per query (default 2048 GPU, 256 CPU)")
-    p.add_argument("--index-heads", type=int, help="indexer heads H_I (default 64 GPU, 16 CPU)")
-    p.add_argument("--index-dim", type=int, default=128, help="indexer head dim d_I")
-    p.add_argument("--heads", type=int, help="attention heads h (default 64 GPU, 8 CPU)")
-    p.add_argument("--d-qk", type=int, default=576, help="latent width d_qk")
-    p.add_argument("--d-v", type=int, default=512, help="value width d_v")
+    positive = bounded_int(1)
+    p.add_argument("--seq-len", type=positive, help="tokens N (default 32768 on a GPU, 2048 on the CPU)")
+    p.add_argument("--topk", type=bounded_int(1, MAX_TOPK),
+                   help="selected keys per query (default 2048 GPU, 256 CPU)")
+    p.add_argument("--index-heads", type=positive, help="indexer heads H_I (default 64 GPU, 16 CPU)")
+    p.add_argument("--index-dim", type=positive, default=128, help="indexer head dim d_I")
+    p.add_argument("--heads", type=positive, help="attention heads h (default 64 GPU, 8 CPU)")
+    p.add_argument("--d-qk", type=positive, default=576, help="latent width d_qk")
+    p.add_argument("--d-v", type=positive, default=512, help="value width d_v (at most d_qk)")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     p.add_argument("--exchange", default="auto", choices=["auto", "allgather", "fetch"])
-    p.add_argument("--transport", default=None, help="auto (default), host, cuda-aware or nccl")
+    p.add_argument("--transport", default=None, choices=["auto", *TRANSPORTS],
+                   help=f"auto (default; ${TRANSPORT_ENV} overrides), host, cuda-aware or nccl")
     p.add_argument("--cpu", action="store_true", help="NumPy arrays even where a GPU exists")
     p.add_argument("--check", action="store_true", help="compare with one process on rank 0")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed first run on 128 tokens per rank (loads and compiles the kernels)")
-    p.add_argument("--json", help="write the summary (rank 0) to this path")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the summary (rank 0) to this path (its folder must exist)")
+    p.add_argument("--seed", type=bounded_int(0), default=0)
+    return p
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The options, each value checked against argv alone: a bad one is a usage
+    error (exit status 2, no traceback) before MPI starts, the same on every
+    rank. Checks that depend on the host wait for :func:`refuse_host_problems`."""
+    p = make_parser()
     args = p.parse_args(argv)
+    if args.d_v > args.d_qk:
+        p.error(f"argument --d-v: must be at most --d-qk ({args.d_qk}), got {args.d_v}")
     args.gpu = not args.cpu and cupy_module() is not None
     for name, value in zip(("seq_len", "topk", "index_heads", "heads"), DEFAULTS["gpu" if args.gpu else "cpu"]):
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
+
+
+def host_problem(args: argparse.Namespace, rank: int) -> str | None:
+    """Why this rank's host cannot run these options, as a usage error message
+    (None: it can): a GPU transport for NumPy arrays (--cpu, or no GPU here);
+    on rank 0, which writes it, a --json path that is a folder or lies in none."""
+    if not args.gpu and args.transport in ("cuda-aware", "nccl"):
+        return (f"argument --transport: {args.transport} moves CuPy arrays; this run uses NumPy arrays "
+                f"({'--cpu' if args.cpu else 'no GPU'}): use host or auto")
+    if rank == 0 and args.json is not None:
+        if Path(args.json).is_dir():
+            return f"argument --json: {args.json!r} is a folder, not a file path"
+        if not Path(args.json).parent.is_dir():
+            return f"argument --json: folder {str(Path(args.json).parent)!r} does not exist"
+    return None
+
+
+def refuse_host_problems(comm: Any, args: argparse.Namespace) -> None:
+    """Collective, before any work: if any rank has a :func:`host_problem`,
+    every rank exits with the lowest such rank's usage error (status 2). The
+    ranks agree first because a rank that quits alone leaves the others
+    waiting in MPI (MPICH's MPI_Init waits for every rank)."""
+    problems = [problem for problem in comm.allgather(host_problem(args, comm.Get_rank())) if problem]
+    if problems:
+        make_parser().error(problems[0])
 
 
 def random_rows(xp: Any, positions: np.ndarray, shape: tuple[int, ...], seed: int) -> Any:
@@ -208,15 +266,19 @@ def run(comm: Any, args: argparse.Namespace) -> dict | None:
 
 
 def main(argv: list[str]) -> None:
+    # Parse first, outside abort_on_error: every rank reads the same argv, so a
+    # usage error exits 2 on each rank by itself (no MPI_Abort, no traceback);
+    # the host checks follow once the ranks can agree on them.
+    args = parse(argv)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    refuse_host_problems(comm, args)
     with abort_on_error(comm):
-        args = parse(argv)
         summary = run(comm, args)
         if summary is not None:
             print_summary(summary)
-            if args.json:
+            if args.json is not None:
                 with open(args.json, "w") as f:
                     json.dump(summary, f, indent=1)
 

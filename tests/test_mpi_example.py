@@ -1,8 +1,11 @@
-"""examples/train_tiny_dsa.py under `mpiexec -n 2` against one process, and the
-ShardedRunner it uses (tests/mpi_ranks.py "runner") on 2 and 3 ranks."""
+"""examples/train_tiny_dsa.py under `mpiexec -n 2` against one process, the
+ShardedRunner it uses (tests/mpi_ranks.py "runner") on 2 and 3 ranks, and
+examples/mpi_long_context.py's usage errors for values it cannot run."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,9 +13,12 @@ import numpy as np
 import pytest
 
 import mpi_ranks as cases
+from hyscale_core.ops.indexer import MAX_TOPK
 from helpers import launch, mpiexec, run_ranks
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_tiny_dsa.py"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_tiny_dsa.py"
+LONG_CONTEXT = ROOT / "examples" / "mpi_long_context.py"
 # Losses and indexer KLs of the sharded run against one process: float32 rounding
 # of partial sums over ranks, carried through 6 AdamW steps (measured <= 3.2e-7).
 LOSS_RTOL = 1e-5
@@ -98,3 +104,74 @@ def test_launched_world_is_none_without_a_launcher(monkeypatch):
     for name in LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
     assert launched_world() is None
+
+
+def checkout_pythonpath() -> str:
+    """PYTHONPATH that makes a subprocess import this checkout's hyscale_core
+    (whichever checkout the venv installed)."""
+    return os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+
+
+def long_context_usage_error(*options: str) -> str:
+    """The one error line of ``python examples/mpi_long_context.py *options`` (one
+    process, this checkout's package), after asserting it is a usage error: exit
+    status 2, nothing on stdout (no work ran), argparse's usage and that line on
+    stderr, no traceback and no MPI_Abort."""
+    env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
+    done = subprocess.run([sys.executable, str(LONG_CONTEXT), *options], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr and "Abort" not in done.stderr, done.stderr
+    lines = done.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("mpi_long_context.py: error: ")]
+    assert errors == lines[-1:], done.stderr
+    return errors[0]
+
+
+# Checked against argv alone, before MPI starts: no mpi4py needed.
+@pytest.mark.parametrize("option, value, message", [
+    ("--seq-len", "abc", "invalid int value: 'abc'"),
+    ("--seq-len", "0", "must be at least 1, got 0"),
+    ("--topk", "0", "must be between 1 and"),  # k = 0 selects nothing: nothing to compare
+    ("--topk", "-1", "must be between 1 and"),
+    ("--topk", str(MAX_TOPK + 1), f"must be between 1 and {MAX_TOPK}"),
+    ("--index-heads", "0", "must be at least 1"),
+    ("--index-dim", "0", "must be at least 1"),
+    ("--heads", "0", "must be at least 1"),
+    ("--d-qk", "-3", "must be at least 1"),
+    ("--d-v", "0", "must be at least 1"),
+    ("--d-v", "577", "must be at most --d-qk (576), got 577"),
+    ("--seed", "-1", "must be at least 0"),
+    ("--transport", "bogus", "invalid choice: 'bogus'"),
+])
+def test_long_context_refuses_a_bad_value_before_any_work(option, value, message):
+    error = long_context_usage_error(option, value)
+    assert f"argument {option}: " in error and message in error, error
+
+
+def test_long_context_names_d_v_when_d_qk_leaves_the_default_too_wide():
+    assert "argument --d-v: must be at most --d-qk (256), got 512" in long_context_usage_error("--d-qk", "256")
+
+
+# Checked on every rank once MPI runs (they depend on the host), so mpi4py is needed.
+@pytest.mark.parametrize("options, message", [
+    (["--transport", "nccl", "--cpu"], "argument --transport: nccl moves CuPy arrays"),
+    (["--transport", "cuda-aware", "--cpu"], "argument --transport: cuda-aware moves CuPy arrays"),
+    (["--json", "{tmp}"], "argument --json: '{tmp}' is a folder"),
+    (["--json", "{tmp}/missing/summary.json"], "argument --json: folder '{tmp}/missing' does not exist"),
+])
+def test_long_context_refuses_what_the_host_cannot_do_before_any_work(tmp_path, options, message):
+    pytest.importorskip("mpi4py")
+    error = long_context_usage_error(*(o.format(tmp=tmp_path) for o in options))
+    assert message.format(tmp=tmp_path) in error, error
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("options", [["--seq-len", "abc"], ["--json", "{tmp}/missing/summary.json"]])
+def test_long_context_usage_error_ends_every_rank_under_mpiexec(tmp_path, options):
+    options = [o.format(tmp=tmp_path) for o in options]
+    done = launch([mpiexec(), "-n", "2", sys.executable, str(LONG_CONTEXT), "--cpu", *options],
+                  PYTHONPATH=checkout_pythonpath())
+    assert done.returncode == 2, done.stdout
+    assert done.stdout.count("mpi_long_context.py: error: argument ") == 2, done.stdout  # one per rank
+    assert "Traceback" not in done.stdout and "Abort" not in done.stdout, done.stdout
