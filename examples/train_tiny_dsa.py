@@ -70,8 +70,7 @@ LEAST = {"steps": 0, "warmup_steps": 0, "layers": 1, "seed": 0, "eval_every": 1,
          "log_samples": 1, "log_sequences": 1}
 
 
-def parse(argv=None) -> argparse.Namespace:
-    """The options, checked: a bad value is a usage error (exit 2) here, before any training."""
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="training steps in all")
     p.add_argument("--warmup-steps", type=int, default=200,
@@ -98,6 +97,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--load", type=Path, help="start from these parameters (a params.npz this program wrote)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and a few steps (a smoke test); options given as well still apply")
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The options, their values checked against argv alone: a bad one is a usage
+    error (exit 2) here, the same on every rank, before MPI starts. The files
+    are checked by :func:`refuse_path_problems` once the ranks can agree."""
+    p = make_parser()
     if p.parse_known_args(argv)[0].quick:
         p.set_defaults(**QUICK)
     args = p.parse_args(argv)
@@ -113,7 +120,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """ValueError naming the option for a value the run cannot use, or would
-    silently replace; the files are checked too, so nothing fails after training."""
+    silently replace."""
     for name, least in LEAST.items():
         if getattr(args, name) < least:
             raise ValueError(f"{_option(name)} must be >= {least}, got {getattr(args, name)}")
@@ -132,21 +139,45 @@ def check_args(args: argparse.Namespace) -> None:
         if steps and args.tokens < getattr(args, name):
             raise ValueError(f"--tokens {args.tokens} holds no whole sequence of {_option(name)} "
                              f"{getattr(args, name)} (a step packs --tokens // length sequences)")
-    check_paths(args)
+    if args.log_append and args.log is None:
+        raise ValueError("--log-append needs --log")
 
 
-def check_paths(args: argparse.Namespace) -> None:
-    """--load exists, --out is a folder or nothing yet, --log can be written and,
-    with --log-append, holds none of this rollout's sample names."""
-    if args.load is not None and not args.load.is_file():
-        raise ValueError(f"--load {args.load}: no such file")
+def refuse_path_problems(args: argparse.Namespace, world=None) -> None:
+    """Before any training: if a rank finds a :func:`path_problem`, every rank
+    exits with the first one as a usage error (status 2). Under mpiexec the
+    ranks agree first (a file may exist on one host only), so none is left
+    waiting for a rank that quit."""
+    if world is None:
+        problems = [path_problem(args, lead=True)]
+    else:
+        problems = world.allgather(path_problem(args, lead=world.Get_rank() == 0))
+    problem = next((p for p in problems if p), None)
+    if problem:
+        make_parser().error(problem)
+
+
+def path_problem(args: argparse.Namespace, lead: bool) -> str | None:
+    """Why the files cannot be used (None: they can): --load must exist; on the
+    lead rank, which writes them, --out must be a folder or nothing yet (it is
+    made), --log must lie in a folder or in --out and, with --log-append, hold
+    none of this rollout's samples."""
+    try:
+        if args.load is not None and not args.load.is_file():
+            raise ValueError(f"--load {args.load}: no such file")
+        if lead:
+            check_outputs(args)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a folder")
     if args.log is None:
-        if args.log_append:
-            raise ValueError("--log-append needs --log")
         return
-    if not args.log.parent.is_dir():
+    if not (args.log.parent.is_dir() or args.log.parent.resolve() == args.out.resolve()):  # --out: made first
         raise ValueError(f"--log {args.log}: no folder {args.log.parent}")
     if args.log.is_dir():
         raise ValueError(f"--log {args.log} is a folder")
@@ -332,6 +363,7 @@ def plot(history: list[dict], args, path: Path) -> None:
 def main(argv=None) -> int:
     args = parse(argv)
     world = launched_world()  # MPI.COMM_WORLD under `mpiexec -n P` with P > 1, else None (one process)
+    refuse_path_problems(args, world)
     if world is None:
         return run(args)
     with abort_on_error(world):  # an exception on one rank ends the whole job

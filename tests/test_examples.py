@@ -113,7 +113,7 @@ def test_train_tiny_dsa_bad_option_is_a_usage_error(bad, message, capsys):
 
 
 def test_train_tiny_dsa_bad_paths_are_usage_errors(tmp_path, capsys):
-    parse = load_example("train_tiny_dsa.py").parse
+    main = load_example("train_tiny_dsa.py").main
     (tmp_path / "file").write_text("not a folder, not a log")
     for bad, message in [(["--load", str(tmp_path / "none.npz")], "no such file"),
                          (["--out", str(tmp_path / "file")], "exists and is not a folder"),
@@ -121,8 +121,11 @@ def test_train_tiny_dsa_bad_paths_are_usage_errors(tmp_path, capsys):
                          (["--log", str(tmp_path)], "is a folder"),
                          (["--log", str(tmp_path / "file"), "--log-append"], "cannot be read as a SelectionLog")]:
         with pytest.raises(SystemExit) as stop:
-            parse(bad)
+            main(["--device", "cpu", *bad])
         assert stop.value.code == 2 and message in capsys.readouterr().err, bad
+    example = load_example("train_tiny_dsa.py")
+    new = tmp_path / "new"  # --out is made before the log is written, so the log may lie in it
+    assert example.path_problem(example.parse(["--out", str(new), "--log", str(new / "a.h5")]), lead=True) is None
 
 
 def test_train_tiny_dsa_options_given_with_quick_still_apply():

@@ -63,6 +63,14 @@ def test_train_tiny_dsa_under_mpiexec_matches_one_process(tmp_path):
         np.testing.assert_allclose(two_params[name], value, rtol=0, atol=PARAM_ATOL, err_msg=name)
 
 
+@pytest.mark.mpi
+def test_train_tiny_dsa_bad_path_under_mpiexec_is_a_usage_error_on_every_rank(tmp_path):
+    done = launch([mpiexec(), "-n", "2", sys.executable, str(EXAMPLE), "--quick", "--device", "cpu",
+                   "--out", str(tmp_path), "--log", str(tmp_path / "none" / "a.h5")])
+    assert done.returncode == 2 and "Traceback" not in done.stdout, done.stdout
+    assert done.stdout.count("error: --log ") == 2 and "hyscale-core " not in done.stdout  # no rank trained
+
+
 def single_process_runner_steps() -> list[dict]:
     """What mpi_ranks.run_runner records, in one process with the engine's TinyDSA."""
     from hyscale_core.engine import AdamW, LiveSelection, TinyDSA, backward
