@@ -19,8 +19,10 @@ and the load balance (visible causal pairs and selection time per rank
 against the mean). ``--check`` also runs the layer in one process on rank 0
 and compares. ``--json PATH`` writes the summary (into an existing folder).
 A value the layer cannot run (a size or k below 1, k above MAX_TOPK, d_v >
-d_qk, a negative seed, a GPU transport for NumPy arrays, a missing --json
-folder) is a usage error: exit status 2 on every rank before any work.
+d_qk, a negative seed, a transport, by option or by $HYSCALE_MPI_TRANSPORT,
+that is unknown or moves CuPy arrays in a NumPy run, a --json path that
+cannot be written) is a usage error: exit status 2 on every rank before any
+work.
 
 Arrays are NumPy (CPU backend) unless CuPy sees a GPU (``--cpu`` forces
 NumPy); ranks on one host share its GPUs. Inputs are random, drawn per block
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -103,18 +106,38 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def chosen_transport(args: argparse.Namespace) -> str:
+    """--transport, else $HYSCALE_MPI_TRANSPORT, else auto (as make_shard chooses)."""
+    return args.transport or os.environ.get(TRANSPORT_ENV) or "auto"
+
+
 def host_problem(args: argparse.Namespace, rank: int) -> str | None:
     """Why this rank's host cannot run these options, as a usage error message
-    (None: it can): a GPU transport for NumPy arrays (--cpu, or no GPU here);
-    on rank 0, which writes it, a --json path that is a folder or lies in none."""
-    if not args.gpu and args.transport in ("cuda-aware", "nccl"):
-        return (f"argument --transport: {args.transport} moves CuPy arrays; this run uses NumPy arrays "
+    (None: it can): a $HYSCALE_MPI_TRANSPORT that names no transport; a GPU
+    transport for NumPy arrays (--cpu, or no GPU here); on rank 0, which
+    writes it, a --json path that is a folder, lies in no folder, or cannot
+    be written."""
+    transport = chosen_transport(args)
+    source = "argument --transport" if args.transport else f"${TRANSPORT_ENV}"
+    if transport not in ("auto", *TRANSPORTS):
+        return f"{source}: must be auto or one of {', '.join(TRANSPORTS)}, got {transport!r}"
+    if not args.gpu and transport in ("cuda-aware", "nccl"):
+        return (f"{source}: {transport} moves CuPy arrays; this run uses NumPy arrays "
                 f"({'--cpu' if args.cpu else 'no GPU'}): use host or auto")
     if rank == 0 and args.json is not None:
-        if Path(args.json).is_dir():
-            return f"argument --json: {args.json!r} is a folder, not a file path"
-        if not Path(args.json).parent.is_dir():
-            return f"argument --json: folder {str(Path(args.json).parent)!r} does not exist"
+        return json_path_problem(Path(args.json))
+    return None
+
+
+def json_path_problem(path: Path) -> str | None:
+    """Why the summary cannot be written to `path` (None: it can)."""
+    if path.is_dir():
+        return f"argument --json: {str(path)!r} is a folder, not a file path"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"argument --json: folder {str(folder)!r} does not exist"
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        return f"argument --json: {str(path if path.exists() else folder)!r} is not writable"
     return None
 
 

@@ -120,12 +120,13 @@ def checkout_pythonpath() -> str:
     return os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
 
 
-def long_context_usage_error(*options: str) -> str:
+def long_context_usage_error(*options: str, **environ: str) -> str:
     """The one error line of ``python examples/mpi_long_context.py *options`` (one
-    process, this checkout's package), after asserting it is a usage error: exit
-    status 2, nothing on stdout (no work ran), argparse's usage and that line on
-    stderr, no traceback and no MPI_Abort."""
-    env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
+    process, this checkout's package, `environ` added to the environment), after
+    asserting it is a usage error: exit status 2, nothing on stdout (no work
+    ran), argparse's usage and that line on stderr, no traceback and no
+    MPI_Abort."""
+    env = {**os.environ, **environ, "PYTHONPATH": checkout_pythonpath()}
     done = subprocess.run([sys.executable, str(LONG_CONTEXT), *options], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env=env)
     assert done.returncode == 2, done.stdout + done.stderr
@@ -172,6 +173,48 @@ def test_long_context_refuses_what_the_host_cannot_do_before_any_work(tmp_path, 
     pytest.importorskip("mpi4py")
     error = long_context_usage_error(*(o.format(tmp=tmp_path) for o in options))
     assert message.format(tmp=tmp_path) in error, error
+
+
+@pytest.mark.parametrize("value, options, message", [
+    ("bogus", [], "$HYSCALE_MPI_TRANSPORT: must be auto or one of host, cuda-aware, nccl, got 'bogus'"),
+    ("nccl", ["--cpu"], "$HYSCALE_MPI_TRANSPORT: nccl moves CuPy arrays"),
+])
+def test_long_context_refuses_a_bad_transport_from_the_environment(value, options, message):
+    pytest.importorskip("mpi4py")
+    assert message in long_context_usage_error(*options, HYSCALE_MPI_TRANSPORT=value)
+
+
+def test_long_context_option_wins_over_the_environment_transport():
+    pytest.importorskip("mpi4py")
+    error = long_context_usage_error("--transport", "nccl", "--cpu", HYSCALE_MPI_TRANSPORT="bogus")
+    assert "argument --transport: nccl moves CuPy arrays" in error, error
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_long_context_refuses_a_json_path_it_cannot_write(tmp_path):
+    pytest.importorskip("mpi4py")
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        error = long_context_usage_error("--json", str(folder / "summary.json"))
+    finally:
+        folder.chmod(0o755)
+    assert f"argument --json: '{folder}' is not writable" in error, error
+
+
+def test_long_context_json_check_names_an_unwritable_file_or_folder(tmp_path, monkeypatch):
+    """The same check in process, whoever runs it: os.access says no."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mpi_long_context", LONG_CONTEXT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    target = tmp_path / "summary.json"
+    assert example.json_path_problem(target) is None
+    monkeypatch.setattr(example.os, "access", lambda path, mode: False)
+    assert example.json_path_problem(target) == f"argument --json: '{tmp_path}' is not writable"
+    target.write_text("{}")
+    assert example.json_path_problem(target) == f"argument --json: '{target}' is not writable"
 
 
 @pytest.mark.mpi
