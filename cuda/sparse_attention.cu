@@ -418,7 +418,7 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     tl.p[0] = tl.buf[0] + ROPE_REGION * REGION;
     tl.p[1] = tl.buf[1] + KV_BYTES;
     const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
-    stage_heads<D>(tl.q, q, t, g, h);
+    stage_heads<D>(tl.q, q, t, g, h, l2_evict_first());  // read once: no room taken from the kv rows
     cp_async_commit();
     if (threadIdx.x == 0) {
         #pragma unroll

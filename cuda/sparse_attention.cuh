@@ -92,11 +92,12 @@ __device__ __forceinline__ void stage_row(unsigned char* tile, const u16* src, b
 }
 
 // Rows g*64 .. g*64+63 of x[t] ([h, WIDTH] per query) into a tile; heads past h are zeros.
-template <int WIDTH>
-__device__ __forceinline__ void stage_heads(unsigned char* tile, const u16* x, int t, int g, int h) {
+// `policy`: none, or an L2 cache policy for the copies (stage_row's).
+template <int WIDTH, typename... Policy>
+__device__ __forceinline__ void stage_heads(unsigned char* tile, const u16* x, int t, int g, int h, Policy... policy) {
     const int head = g * BH + (threadIdx.x >> 2);
     const bool valid = head < h;
-    stage_row<0, WIDTH / 32>(tile, x + ((size_t)t * h + (valid ? head : 0)) * WIDTH, valid);
+    stage_row<0, WIDTH / 32>(tile, x + ((size_t)t * h + (valid ? head : 0)) * WIDTH, valid, policy...);
 }
 
 // The key of slot `slot` of query t: -1 when skipped or past k.

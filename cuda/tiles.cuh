@@ -27,6 +27,13 @@ __device__ __forceinline__ u64 l2_evict_last() {
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
     return policy;
 }
+// An L2 cache policy under which lines go before those of evict_normal accesses
+// (for data read once, as a query's q rows).
+__device__ __forceinline__ u64 l2_evict_first() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
 // cp_async16 with zero fill, under an L2 cache policy, with a 256-byte L2
 // fetch on a miss (for whole rows of 256 bytes or more).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid, u64 policy) {
