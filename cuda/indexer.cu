@@ -35,9 +35,9 @@
 //
 // Invariant: a query's candidates are every key seen so far that ranks at or
 // above one threshold element, so whenever they number at least k they hold
-// the top k. The threshold guess uses that: at a query's first prune, when
-// it has seen a fraction f of its visible keys, the cut keeps only its top
-// r = ceil(beta * k * f) (at least guess_min, fewer than k): were the scores
+// the top k. The threshold guess uses that: once a query has seen the
+// fraction f of its visible keys at which r = ceil(beta * k * f) reaches
+// guess_min (if r < k there), a prune keeps only its top r: were the scores
 // exchangeable along the row, about beta * k of all its keys would beat that
 // threshold. Fewer appends and prunes follow. A query that ends with fewer
 // than k candidates after a guess is listed in failed_rows (its row here is
@@ -96,7 +96,7 @@ struct GroupShared {
     int group;
     int lo[TQ], hi[TQ];
     u32 count[TQ], thr[TQ], flip[TQ];
-    u32 guess[TQ];  // GUESS_OPEN, then GUESS_MADE or GUESS_NONE at the query's first prune
+    u32 guess[TQ];  // GUESS_OPEN, then GUESS_MADE or GUESS_NONE once the guess is due
 };
 
 constexpr u32 GUESS_OPEN = 0, GUESS_MADE = 1, GUESS_NONE = 2;
@@ -559,14 +559,23 @@ struct Guess {
     int* failed_rows;
 };
 
-// How many candidates query qi's first prune keeps under a guess, or 0 for no
-// guess; keys below seen_end have been consumed.
-__device__ u32 guess_size(const GroupShared& sh, int qi, int seen_end, u32 k, const Guess& guess) {
-    if (sh.guess[qi] != GUESS_OPEN || guess.beta <= 0.f) return 0;
+// The key below which a query with visible keys [lo, hi) has seen enough for
+// a guess to keep min_kept candidates, or NO_GUESS where a guess there would
+// keep k or more.
+constexpr int NO_GUESS = 0x7FFFFFFF;
+__device__ int guess_point(int lo, int hi, u32 k, const Guess& guess) {
+    if (guess.beta <= 0.f || guess.min_kept >= k) return NO_GUESS;
+    const float visible = (float)(hi - lo);
+    const float seen = ceilf((float)guess.min_kept * visible / (guess.beta * (float)k));
+    return seen < visible / guess.beta ? lo + (int)seen : NO_GUESS;
+}
+
+// How many candidates query qi keeps under a guess made once the keys below
+// seen_end are consumed: ceil(beta * k * f), at least min_kept.
+__device__ u32 guess_keep(const GroupShared& sh, int qi, int seen_end, u32 k, const Guess& guess) {
     const int lo = sh.lo[qi], hi = sh.hi[qi];
     const float seen = (float)(min(seen_end, hi) - lo), visible = (float)(hi - lo);
-    const float r = ceilf(guess.beta * (float)k * (seen / visible));
-    return r >= (float)guess.min_kept && r < (float)k ? (u32)r : 0u;
+    return max(guess.min_kept, (u32)ceilf(guess.beta * (float)k * (seen / visible)));
 }
 
 __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers buf, Guess guess, int* out_idx,
@@ -582,15 +591,19 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
         const OwnedRanges range(sh);
+        int guess_at[OWNED];
+        #pragma unroll
+        for (int m = 0; m < OWNED; ++m) guess_at[m] = guess_point(range.lo[m], range.hi[m], k, guess);
         // Appends: a score enters when its key beats the threshold; the flag
-        // says a buffer could not take another tile (count + KT > cap), and
-        // settle cuts those back to k before the next tile's appends.
+        // says a buffer could not take another tile (count + KT > cap) or a
+        // guess is due, and settle prunes before the next tile's appends.
         auto append = [&](int s0, const float (&owned)[OWNED][2]) {
             int full = 0;
             #pragma unroll
             for (int m = 0; m < OWNED; ++m) {
                 const int qi = 4 * m + (int)(threadIdx.x & 3);
                 if (qi >= TQ) continue;
+                full |= sh.guess[qi] == GUESS_OPEN && s0 + KT >= guess_at[m];
                 const u32 thr = sh.thr[qi];
                 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
@@ -610,12 +623,17 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
         // or under a guess up to half as many again as the guess keeps.
         const u32 most = k + ((u32)buf.cap - KT - k) / 2;
         auto settle = [&](int seen_end) {
-            for (int qi = 0; qi < TQ; ++qi)
-                if (sh.count[qi] + KT > (u32)buf.cap) {
-                    const u32 r = guess_size(sh, qi, seen_end, k, guess);
-                    prune(sh, buf, qi, r ? r : k, r ? r + r / 2 : most);
-                    if (threadIdx.x == 0 && sh.guess[qi] == GUESS_OPEN) sh.guess[qi] = r ? GUESS_MADE : GUESS_NONE;
+            for (int qi = 0; qi < TQ; ++qi) {
+                const bool due = sh.guess[qi] == GUESS_OPEN && seen_end >= guess_point(sh.lo[qi], sh.hi[qi], k, guess);
+                const u32 r = due ? guess_keep(sh, qi, seen_end, k, guess) : k;
+                const bool guess_now = due && r < k && r < sh.count[qi];  // else the guess keeps them all
+                if (guess_now) prune(sh, buf, qi, r, r + r / 2);
+                else if (sh.count[qi] + KT > (u32)buf.cap) prune(sh, buf, qi, k, most);
+                if (due) {
+                    __syncthreads();  // every thread has read the state
+                    if (threadIdx.x == 0) sh.guess[qi] = guess_now ? GUESS_MADE : GUESS_NONE;
                 }
+            }
             __syncthreads();  // every thread has read the counts before the next appends
         };
         stream_group(sh, p, q_tile, k_tiles, w_s, append, settle);
