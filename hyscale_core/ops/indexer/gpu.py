@@ -9,10 +9,10 @@ Shapes the kernel is not built for (H not dividing 256, D not a multiple of
 of queries (``TABLE_BLOCK_BYTES`` each), so that it too equals topk of
 ``indexer_scores`` bitwise.
 
-Threshold guess: at a query's first prune, having seen a fraction f of its
-keys, the kernel keeps only its top ``ceil(GUESS_BETA * topk * f)`` (when that
-is at least ``GUESS_MIN`` and below topk), as if the rest of the row scored
-like the part seen. The selection stays exact: a row left with fewer than
+Threshold guess: once a query has seen the fraction f of its keys at which
+``ceil(GUESS_BETA * topk * f)`` reaches ``GUESS_MIN`` (where that is below
+topk), the kernel keeps only that many of its best candidates, as if the rest
+of the row scored like the part seen. The selection stays exact: a row left with fewer than
 topk candidates is reported by the kernel and selected again here from the
 same kernel's scores (``_select_again``). Rows whose early keys score far
 above their later ones fail the guess and cost about a second pass each;
@@ -40,7 +40,8 @@ BUFFER_KS = 2
 # The threshold guess (module docstring). With exchangeable scores a row
 # fails it when fewer than topk of its keys beat the kept r-th of its first
 # f: at r >= 96 and beta = 1.75 that is more than four standard deviations
-# (the count above has relative spread about 1 / sqrt(r)).
+# (the count above has relative spread about 1 / sqrt(r)). Measured in
+# benchmarks/NOTES.md ("A threshold guess"); beta from 1.4 to 2.5 timed alike.
 GUESS_BETA = 1.75
 GUESS_MIN = 96
 # Score-table bytes per query block when topk is past the kernel's sort.
