@@ -6,6 +6,10 @@ that tree on ``PYTHONPATH`` (and its own ``HYSCALE_CACHE_DIR``), in one
 device call, so that the trees share the GPU's state.
 
     python -m benchmarks.indexer_gpu_quick --label 91e8e1c --n 131072
+
+``--guess-beta`` sets the kernel's threshold guess (``GUESS_BETA``; 0 turns
+it off) for A/B runs in one tree; each top-k's line counts the rows its
+timed runs selected again after a failed guess.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ def main(argv=None) -> None:
     import cupy as cp
 
     import hyscale_core as hs
+    from hyscale_core.ops.indexer import gpu
 
     from .indexer_gpu import inputs
     from .indexer_gpu_breakdown import scores_only, wall_ms
@@ -33,17 +38,38 @@ def main(argv=None) -> None:
     parser.add_argument("--topk-only", action="store_true", help="skip the score kernel's run")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each top-k (median)")
     parser.add_argument("--chunk", type=int, default=16384, help="query chunk of the score-only run")
+    parser.add_argument("--guess-beta", type=float, default=None, help="the kernel's GUESS_BETA (0: no guess)")
     args = parser.parse_args(argv)
+    reselected = count_reselections(args.guess_beta)
 
     q, k, w = inputs(cp, args.n, args.heads, args.dim)
-    row = {"label": args.label, "n": args.n, "heads": args.heads}
+    row = {"label": args.label, "n": args.n, "heads": args.heads, "guess_beta": gpu.GUESS_BETA}
     if not args.topk_only:
         scores_only(hs, q[:2048], k[:2048], w[:2048], 1024)  # compile
         row["scores_ms"] = round(wall_ms(cp, lambda: scores_only(hs, q, k, w, args.chunk), 3), 2)
     for topk in [] if args.scores_only else args.ks:
         hs.indexer_topk(q[:1024], k[:1024], w[:1024], topk, q_pos=np.arange(1024))  # compile
+        reselected.clear()
         row[f"topk{topk}_ms"] = round(wall_ms(cp, lambda: hs.indexer_topk(q, k, w, topk), args.repeats), 2)
+        row[f"topk{topk}_reselected"] = max(reselected, default=0)  # the same rows in every run
     print(json.dumps(row), flush=True)
+
+
+def count_reselections(guess_beta):
+    """Set GUESS_BETA (unless None) and return the list that gets, for each
+    indexer_topk call that selected rows again, how many."""
+    from hyscale_core.ops.indexer import gpu
+
+    if guess_beta is not None:
+        gpu.GUESS_BETA = guess_beta
+    counts, select_again = [], gpu._select_again
+
+    def counting(q, k, w, lo, hi, rows, indices, scores):
+        counts.append(len(rows))
+        select_again(q, k, w, lo, hi, rows, indices, scores)
+
+    gpu._select_again = counting
+    return counts
 
 
 if __name__ == "__main__":

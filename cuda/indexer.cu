@@ -32,6 +32,16 @@
 // cuts to k and sorts. An append that fills a buffer raises a flag, the
 // tile's barrier ORs the flags, and the prunes run right after it, before
 // the next tile's products are issued (no per-tile barrier of their own).
+//
+// Invariant: a query's candidates are every key seen so far that ranks at or
+// above one threshold element, so whenever they number at least k they hold
+// the top k. The threshold guess uses that: once a query has seen the
+// fraction f of its visible keys at which r = ceil(beta * k * f) reaches
+// guess_min (if r < k there), a prune keeps only its top r: were the scores
+// exchangeable along the row, about beta * k of all its keys would beat that
+// threshold. Fewer appends and prunes follow. A query that ends with fewer
+// than k candidates after a guess is listed in failed_rows (its row here is
+// not its selection); the caller selects those rows again without a guess.
 // Scores (indexer_scores_*) run the same tile code and write the table, so
 // both give bitwise-identical scores.
 #include "select.cuh"
@@ -86,7 +96,10 @@ struct GroupShared {
     int group;
     int lo[TQ], hi[TQ];
     u32 count[TQ], thr[TQ], flip[TQ];
+    u32 guess[TQ];  // GUESS_OPEN, then GUESS_MADE or GUESS_NONE once the guess is due
 };
+
+constexpr u32 GUESS_OPEN = 0, GUESS_MADE = 1, GUESS_NONE = 2;
 
 // Start key tile `k_tile` times the query tile as one committed wgmma group
 // (the first k-step overwrites, so the previous tile's values go); it is in
@@ -451,6 +464,7 @@ __device__ bool next_group(GroupShared& sh, const Problem& p, int* work_counter,
         sh.count[threadIdx.x] = 0;
         sh.thr[threadIdx.x] = NEG_INF_KEY;
         sh.flip[threadIdx.x] = 0;
+        sh.guess[threadIdx.x] = GUESS_OPEN;
     }
     __syncthreads();
     return true;
@@ -460,9 +474,10 @@ __device__ bool next_group(GroupShared& sh, const Problem& p, int* work_counter,
 // tile: owned[m][rr] is the score of query qi = 4 * m + (lane & 3), where
 // qi < TQ, and key s0 + key_row(rr); it must not touch the key stages or
 // block-wide barriers, and returns a flag. When any thread's flag from
-// consume(j - 1) was set, `settle()` runs (all threads, block-wide barriers
-// allowed) after consume(j - 1) and before consume(j), at a point where no
-// products are in flight, so it has the accumulators' registers to itself.
+// consume(j - 1) was set, `settle(seen_end)` runs (all threads, block-wide
+// barriers allowed) after consume(j - 1) and before consume(j), at a point
+// where no products are in flight, so it has the accumulators' registers to
+// itself; keys below seen_end have been consumed, none above.
 template <typename Consume, typename Settle>
 __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q_tile, unsigned char* k_tiles,
                              const float* w_s, Consume&& consume, Settle&& settle) {
@@ -496,7 +511,7 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
             fence_proxy_async();
             // Every warp is past tile j's group and consume(j - 1); the
             // barrier ORs consume(j - 1)'s flags.
-            if (__syncthreads_or(flag)) settle();
+            if (__syncthreads_or(flag)) settle(begin + j * KT);
             if (j + 1 == n_tiles) {  // the last tile: nothing left to overlap
                 consume(begin + j * KT, owned);
                 break;
@@ -536,7 +551,34 @@ struct OwnedRanges {
     __device__ bool visible(int m, int s) const { return s >= lo[m] && s < hi[m]; }
 };
 
-__device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers buf, int* out_idx,
+// The threshold guess (see the head of the file).
+struct Guess {
+    float beta;  // 0: never guess
+    u32 min_kept;
+    int* failed_count;
+    int* failed_rows;
+};
+
+// The key below which a query with visible keys [lo, hi) has seen enough for
+// a guess to keep min_kept candidates, or NO_GUESS where a guess there would
+// keep k or more.
+constexpr int NO_GUESS = 0x7FFFFFFF;
+__device__ int guess_point(int lo, int hi, u32 k, const Guess& guess) {
+    if (guess.beta <= 0.f || guess.min_kept >= k) return NO_GUESS;
+    const float visible = (float)(hi - lo);
+    const float seen = ceilf((float)guess.min_kept * visible / (guess.beta * (float)k));
+    return seen < visible / guess.beta ? lo + (int)seen : NO_GUESS;
+}
+
+// How many candidates query qi keeps under a guess made once the keys below
+// seen_end are consumed: ceil(beta * k * f), at least min_kept.
+__device__ u32 guess_keep(const GroupShared& sh, int qi, int seen_end, u32 k, const Guess& guess) {
+    const int lo = sh.lo[qi], hi = sh.hi[qi];
+    const float seen = (float)(min(seen_end, hi) - lo), visible = (float)(hi - lo);
+    return max(guess.min_kept, (u32)ceilf(guess.beta * (float)k * (seen / visible)));
+}
+
+__device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers buf, Guess guess, int* out_idx,
                          float* out_scores) {
     __shared__ GroupShared sh;
     unsigned char* smem = aligned_dynamic_smem();
@@ -549,15 +591,19 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
         const OwnedRanges range(sh);
+        int guess_at[OWNED];
+        #pragma unroll
+        for (int m = 0; m < OWNED; ++m) guess_at[m] = guess_point(range.lo[m], range.hi[m], k, guess);
         // Appends: a score enters when its key beats the threshold; the flag
-        // says a buffer could not take another tile (count + KT > cap), and
-        // settle cuts those back to k before the next tile's appends.
+        // says a buffer could not take another tile (count + KT > cap) or a
+        // guess is due, and settle prunes before the next tile's appends.
         auto append = [&](int s0, const float (&owned)[OWNED][2]) {
             int full = 0;
             #pragma unroll
             for (int m = 0; m < OWNED; ++m) {
                 const int qi = 4 * m + (int)(threadIdx.x & 3);
                 if (qi >= TQ) continue;
+                full |= sh.guess[qi] == GUESS_OPEN && s0 + KT >= guess_at[m];
                 const u32 thr = sh.thr[qi];
                 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
@@ -573,17 +619,31 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
             }
             return full;
         };
-        // A settle may keep up to half the free room beyond k (a bucket cut).
+        // A settle may keep up to half the free room beyond k (a bucket cut),
+        // or under a guess up to half as many again as the guess keeps.
         const u32 most = k + ((u32)buf.cap - KT - k) / 2;
-        auto settle = [&]() {
-            for (int qi = 0; qi < TQ; ++qi)
-                if (sh.count[qi] + KT > (u32)buf.cap) prune(sh, buf, qi, k, most);
+        auto settle = [&](int seen_end) {
+            for (int qi = 0; qi < TQ; ++qi) {
+                const bool due = sh.guess[qi] == GUESS_OPEN && seen_end >= guess_point(sh.lo[qi], sh.hi[qi], k, guess);
+                const u32 r = due ? guess_keep(sh, qi, seen_end, k, guess) : k;
+                const bool guess_now = due && r < k && r < sh.count[qi];  // else the guess keeps them all
+                if (guess_now) prune(sh, buf, qi, r, r + r / 2);
+                else if (sh.count[qi] + KT > (u32)buf.cap) prune(sh, buf, qi, k, most);
+                if (due) {
+                    __syncthreads();  // every thread has read the state
+                    if (threadIdx.x == 0) sh.guess[qi] = guess_now ? GUESS_MADE : GUESS_NONE;
+                }
+            }
             __syncthreads();  // every thread has read the counts before the next appends
         };
         stream_group(sh, p, q_tile, k_tiles, w_s, append, settle);
-        for (int qi = 0; qi < TQ && t0 + qi < p.n_q; ++qi)
+        for (int qi = 0; qi < TQ && t0 + qi < p.n_q; ++qi) {
+            // Fewer than k candidates after a guess: the threshold was too high.
+            if (threadIdx.x == 0 && sh.guess[qi] == GUESS_MADE && sh.count[qi] < k)
+                guess.failed_rows[atomicAdd(guess.failed_count, 1)] = t0 + qi;
             write_selection(sh, buf, qi, k, k_tiles, out_idx + (size_t)(t0 + qi) * topk,
                             out_scores ? out_scores + (size_t)(t0 + qi) * topk : nullptr);
+        }
     }
 }
 
@@ -611,7 +671,7 @@ __device__ void scores_cta(const Problem& p, int* work_counter, float* table) {
             }
             return 0;
         };
-        stream_group(sh, p, q_tile, k_tiles, w_s, store, []() {});
+        stream_group(sh, p, q_tile, k_tiles, w_s, store, [](int) {});
     }
 }
 
@@ -621,10 +681,11 @@ __device__ void scores_cta(const Problem& p, int* work_counter, float* table) {
 // of dynamic shared memory (ops/indexer/gpu.py computes the same).
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 indexer_topk_kernel(const u16* q, const u16* k, const float* w, const int* lo, const int* hi, int n_q, int n_k,
-                    int topk, int* work_counter, u32* buf_bits, u32* buf_idx, int cap, int* out_idx,
-                    float* out_scores) {
+                    int topk, int* work_counter, u32* buf_bits, u32* buf_idx, int cap, float guess_beta,
+                    int guess_min, int* failed_count, int* failed_rows, int* out_idx, float* out_scores) {
     const Problem p{q, k, w, lo, hi, n_q, n_k};
-    topk_cta(p, topk, work_counter, Buffers{buf_bits, buf_idx, cap}, out_idx, out_scores);
+    topk_cta(p, topk, work_counter, Buffers{buf_bits, buf_idx, cap},
+             Guess{guess_beta, (u32)max(guess_min, 1), failed_count, failed_rows}, out_idx, out_scores);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)

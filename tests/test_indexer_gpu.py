@@ -139,6 +139,68 @@ def test_long_sequence_with_many_prunes(monkeypatch, buffer_ks, repeat_keys):
                                   materialised(hs.indexer_scores(q, k, w), 2048))
 
 
+def counted_reselections(monkeypatch, **settings):
+    """Patch the guess settings of the GPU indexer; return the list that collects how many rows
+    each call selects again after a failed guess."""
+    from hyscale_core.ops.indexer import gpu
+
+    for name, value in settings.items():
+        monkeypatch.setattr(gpu, name, value)
+    counts, select_again = [], gpu._select_again
+
+    def counting(q, k, w, lo, hi, rows, indices, scores):
+        counts.append(len(rows))
+        select_again(q, k, w, lo, hi, rows, indices, scores)
+
+    monkeypatch.setattr(gpu, "_select_again", counting)
+    return counts
+
+
+def falling_inputs(n, seed=11):
+    """Positive q, k and w with keys that shrink by e every 300 positions: every query's early keys
+    score highest, so a threshold guessed from a row's first keys is too high."""
+    import cupy
+
+    (_, _, _), (q, k, w) = device_inputs(n, n, 64, 128, seed=seed)
+    k = np.abs(k.astype(np.float32)) * np.exp(-np.arange(n, dtype=np.float32) / 300)[:, None]
+    q = np.abs(q.astype(np.float32)).astype(bfloat16)
+    return tuple(cupy.asarray(a) for a in (q, k.astype(bfloat16), np.abs(w)))
+
+
+@pytest.mark.parametrize("guess_min", [4, 48])
+def test_failed_guesses_are_selected_again(monkeypatch, guess_min):
+    """Falling scores: every guess made fails, and those rows are selected again from the score
+    table; the result still equals the materialised top-k bit for bit, with and without scores. At
+    k = 64 and GUESS_MIN = 4 a guess is due once a row has seen 1/28 of its keys, before any prune
+    (rows longer than about 120 keys make one); at GUESS_MIN = 48 once it has seen 3/7, after
+    regular prunes in rows longer than about 450 keys."""
+    counts = counted_reselections(monkeypatch, GUESS_MIN=guess_min)
+    q, k, w = falling_inputs(4096)
+    for mask in ({}, dict(cu_seqlens=np.array([0, 1, 8, 308, 3000, 4096]))):
+        assert_streaming_equals_materialised(q, k, w, 64, mask)
+        np.testing.assert_array_equal(to_host(hs.indexer_topk(q, k, w, 64, **mask)),
+                                      materialised(hs.indexer_scores(q, k, w, **mask), 64))
+    assert len(counts) == 4 and min(counts) > 3000, counts
+
+
+def test_no_guess_when_turned_off(monkeypatch):
+    counts = counted_reselections(monkeypatch, GUESS_BETA=0.0, GUESS_MIN=4)
+    q, k, w = falling_inputs(4096)
+    assert_streaming_equals_materialised(q, k, w, 64, {})
+    assert counts == []
+
+
+@pytest.mark.parametrize("topk, guess_min", [(256, 64), (2048, 96)])
+def test_guesses_on_exchangeable_scores(monkeypatch, topk, guess_min):
+    """Random scores: the guessed thresholds hold for (nearly) every row, and the selection is the
+    materialised one whether or not some rows were selected again."""
+    counts = counted_reselections(monkeypatch, GUESS_MIN=guess_min)
+    (q, k, w), _ = device_inputs(16384, 16384, 64, 128, seed=topk)
+    np.testing.assert_array_equal(to_host(hs.indexer_topk(q, k, w, topk)),
+                                  materialised(hs.indexer_scores(q, k, w), topk))
+    assert sum(counts) < 16384 // 100, counts
+
+
 def test_every_score_tied():
     """q = 0: every visible key scores exactly 0, so every prune cuts a buffer of
     candidates that share all their bits and keeps the lowest indices."""

@@ -108,6 +108,10 @@ def indexer_topk(q: Any, k: Any, w: Any, topk: int, *, causal: bool = True, q_po
     Memory: O(Nq * topk) plus one tile of scores per worker; on the GPU a
     topk past the fused kernel's sort (32 * D picks) selects from blocks of
     the score table instead, up to 1 GiB of it at a time.
+    Time on the GPU: each long row's threshold is guessed from its first
+    keys; rows whose early keys score far above their later ones fail the
+    guess and are selected again from their scores (exact, about twice the
+    time for those rows; see ``hyscale_core.ops.indexer.gpu``).
     """
     backend, q, k, w, lo, hi = _prepare(q, k, w, causal, q_pos, cu_seqlens)
     topk = check_int(topk, "topk", 0, MAX_TOPK)

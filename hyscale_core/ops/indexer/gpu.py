@@ -9,6 +9,15 @@ Shapes the kernel is not built for (H not dividing 256, D not a multiple of
 of queries (``TABLE_BLOCK_BYTES`` each), so that it too equals topk of
 ``indexer_scores`` bitwise.
 
+Threshold guess: once a query has seen the fraction f of its keys at which
+``ceil(GUESS_BETA * topk * f)`` reaches ``GUESS_MIN`` (where that is below
+topk), the kernel keeps only that many of its best candidates, as if the rest
+of the row scored like the part seen. The selection stays exact: a row left with fewer than
+topk candidates is reported by the kernel and selected again here from the
+same kernel's scores (``_select_again``). Rows whose early keys score far
+above their later ones fail the guess and cost about a second pass each;
+``GUESS_BETA = 0`` turns the guess off.
+
 Precision: bfloat16 and float16 inputs are used as they are; float32 and
 float64 inputs are rounded to bfloat16 first. Products and sums run in
 float32. ReLU maps NaN to 0.
@@ -28,6 +37,13 @@ CTAS_PER_SM = 2
 # multiples of topk (benchmarks/indexer_gpu_breakdown.py --buffer-ks sweeps
 # it): a larger buffer prunes less often, each prune reads more.
 BUFFER_KS = 2
+# The threshold guess (module docstring). With exchangeable scores a row
+# fails it when fewer than topk of its keys beat the kept r-th of its first
+# f: at r >= 96 and beta = 1.75 that is more than four standard deviations
+# (the count above has relative spread about 1 / sqrt(r)). Measured in
+# benchmarks/NOTES.md ("A threshold guess"); beta from 1.4 to 2.5 timed alike.
+GUESS_BETA = 1.75
+GUESS_MIN = 96
 # Score-table bytes per query block when topk is past the kernel's sort.
 TABLE_BLOCK_BYTES = 1 << 30
 POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
@@ -110,8 +126,26 @@ def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool):
     buf_bits = cp.empty(grid * 2 * per_group * cap, dtype=cp.uint32)
     buf_idx = cp.empty(grid * 2 * per_group * cap, dtype=cp.uint32)
     counter = cp.zeros(1, dtype=cp.int32)
+    failed = cp.zeros(1 + n_q, dtype=cp.int32)  # count, then the rows
     kernel = get_kernel("indexer", "indexer_topk_kernel", smem, defines)
     kernel((grid,), (128,), (q16, k16, w32, lo32, hi32, np.int32(n_q), np.int32(k.shape[0]), np.int32(topk),
-                             counter, buf_bits, buf_idx, np.int32(cap), indices,
+                             counter, buf_bits, buf_idx, np.int32(cap), np.float32(GUESS_BETA),
+                             np.int32(GUESS_MIN), failed[:1], failed[1:], indices,
                              scores if scores is not None else np.uint64(0)), shared_mem=smem)
+    n_failed = int(failed[0].get())
+    if n_failed:
+        _select_again(q, k, w, lo, hi, np.sort(failed[1:1 + n_failed].get()), indices, scores)
     return indices, scores
+
+
+def _select_again(q, k, w, lo, hi, rows, indices, scores):
+    """Overwrite ``rows`` (int host array) of the kernel's outputs with topk of
+    their rows of the score table, without a guess."""
+    cp = cupy_module()
+    lo, hi = np.asarray(lo)[rows], np.asarray(hi)[rows]
+    rows_d = cp.asarray(rows)
+    picked, values = gpu_fallback.select_from_panels(_score_blocks(q[rows_d], k, w[rows_d], lo, hi), len(rows),
+                                                     k.shape[0], indices.shape[1], scores is not None)
+    indices[rows_d] = picked
+    if scores is not None:
+        scores[rows_d] = values
