@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from hyscale_core.gpu.module import cuda_source_dir, source_files
+from hyscale_core.gpu.module import compile_options, cuda_source_dir, source_files
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -63,8 +63,7 @@ def _nvrtc_compile(source: str, defines: tuple[str, ...] = (), folder=None) -> N
     program = ctypes.c_void_p()
     assert _NVRTC.nvrtcCreateProgram(ctypes.byref(program), (folder / source).read_bytes(), source.encode(), 0,
                                      None, None) == 0
-    options = [b"-std=c++17", b"-I" + str(folder).encode(), b"--gpu-architecture=sm_90a"]
-    options += [f"-D{d}".encode() for d in defines]
+    options = [o.encode() for o in compile_options(folder, defines)] + [b"--gpu-architecture=sm_90a"]
     try:
         status = _NVRTC.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
         size = ctypes.c_size_t()
@@ -116,3 +115,11 @@ def test_forward_variants_apply_and_compile(variant, tmp_path):
     shutil.copytree(cuda_source_dir(), tmp_path / "cuda")
     patch(tmp_path, variant)
     _nvrtc_compile("sparse_attention.cu", folder=tmp_path / "cuda")
+
+
+def test_lineinfo_only_when_asked(monkeypatch, tmp_path):
+    monkeypatch.delenv("HYSCALE_LINEINFO", raising=False)
+    plain = compile_options(tmp_path, ("HS_IDX_HEADS=64",))
+    assert plain == ("-std=c++17", f"-I{tmp_path}", "-DHS_IDX_HEADS=64")
+    monkeypatch.setenv("HYSCALE_LINEINFO", "1")
+    assert compile_options(tmp_path, ("HS_IDX_HEADS=64",)) == plain + ("-lineinfo",)

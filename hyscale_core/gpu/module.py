@@ -5,6 +5,8 @@ on Hopper, so wgmma is available), cached on disk under
 ``$HYSCALE_CACHE_DIR`` (default ``~/.cache/hyscale_core``) keyed by the
 source text of the file and every header beside it, and loaded as a
 ``cupy.RawModule``. Kernels are ``extern "C"`` entry points.
+``HYSCALE_LINEINFO=1`` compiles with ``-lineinfo``, so that profilers map
+SASS to source lines (the same code; it is cached apart).
 """
 from __future__ import annotations
 
@@ -67,6 +69,12 @@ def _cache_dir() -> Path:
     return path
 
 
+def compile_options(folder: Path, defines: tuple[str, ...]) -> tuple[str, ...]:
+    """NVRTC options for a source of ``folder`` built with ``defines`` ("NAME=VALUE")."""
+    options = ("-std=c++17", f"-I{folder}") + tuple(f"-D{d}" for d in defines)
+    return options + (("-lineinfo",) if os.environ.get("HYSCALE_LINEINFO") == "1" else ())
+
+
 @functools.lru_cache(maxsize=None)
 def _load(name: str, device_id: int, defines: tuple[str, ...]):
     cp = cupy_module()
@@ -74,7 +82,7 @@ def _load(name: str, device_id: int, defines: tuple[str, ...]):
     source = (folder / f"{name}.cu").read_text(encoding="utf-8")
     headers = "".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob(f"*{_HEADER_SUFFIX}")))
     arch = _architecture(cp, device_id)
-    options = ("-std=c++17", f"-I{folder}") + tuple(f"-D{d}" for d in defines)
+    options = compile_options(folder, defines)
     from cupy_backends.cuda.libs import nvrtc
 
     digest = hashlib.sha256(
