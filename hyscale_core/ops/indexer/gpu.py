@@ -11,12 +11,13 @@ of queries (``TABLE_BLOCK_BYTES`` each), so that it too equals topk of
 
 Threshold guess: once a query has seen the fraction f of its keys at which
 ``ceil(GUESS_BETA * topk * f)`` reaches ``GUESS_MIN`` (where that is below
-topk), the kernel keeps only that many of its best candidates, as if the rest
-of the row scored like the part seen. The selection stays exact: a row left with fewer than
-topk candidates is reported by the kernel and selected again here from the
-same kernel's scores (``_select_again``). Rows whose early keys score far
-above their later ones fail the guess and cost about a second pass each;
-``GUESS_BETA = 0`` turns the guess off.
+topk), the kernel keeps only that many of its best candidates, as if the
+rest of the row scored like the part seen. The selection stays exact: a row
+left with fewer than topk candidates is reported by the kernel and selected
+again here from the same kernel's scores (``_select_again``), so
+``indexer_topk`` waits for the kernel to read that report. Rows whose early
+keys score far above their later ones fail the guess and cost about a
+second pass each; ``GUESS_BETA = 0`` turns the guess off.
 
 Precision: bfloat16 and float16 inputs are used as they are; float32 and
 float64 inputs are rounded to bfloat16 first. Products and sums run in
