@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The indexer's threshold guess on and off, and against another tree's guess,
 # alternating in one device call: the GPU indexer tests of this tree, then
-# rounds of indexer_gpu_quick (lines appended to OUT_DIR/guess_ab.jsonl).
+# rounds of indexer_gpu_quick (one JSON line each, appended to OUT_DIR/guess_ab.jsonl).
 #   bash benchmarks/indexer_guess_ab.sh OUT_DIR [ROUNDS [OTHER_TREE]]
 set -u
 out=${1:?usage: indexer_guess_ab.sh OUT_DIR [ROUNDS [OTHER_TREE]]}
