@@ -201,6 +201,24 @@ def test_guesses_on_exchangeable_scores(monkeypatch, topk, guess_min):
     assert sum(counts) < 16384 // 100, counts
 
 
+@pytest.mark.parametrize("topk", [7, 63, 300])
+def test_guesses_with_ties_nan_and_short_rows(monkeypatch, topk):
+    """A guess forced on almost every row (GUESS_MIN = 4, so r is a few candidates and many guesses
+    fail) over repeated keys (ties at the guessed threshold), NaN and inf scores, and packed
+    sequences of 1, 7, 63 and 300 keys beside long ones: still the materialised top-k, bit for bit."""
+    import cupy
+
+    counts = counted_reselections(monkeypatch, GUESS_MIN=4)
+    _, (q, k, w) = device_inputs(4096, 4096, 64, 128, seed=topk, repeat_keys=True)
+    q[3, 5, 7] = np.nan
+    k[100] = np.nan
+    k[500, 0] = np.inf
+    q, k, w = (cupy.asarray(a) for a in (q, k, w))
+    for mask in ({}, dict(cu_seqlens=np.array([0, 1, 8, 71, 371, 2000, 4096]))):
+        assert_streaming_equals_materialised(q, k, w, topk, mask)
+    assert counts, "no guess failed: the reselection path went untested"
+
+
 def test_every_score_tied():
     """q = 0: every visible key scores exactly 0, so every prune cuts a buffer of
     candidates that share all their bits and keeps the lowest indices."""
