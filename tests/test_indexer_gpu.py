@@ -161,7 +161,7 @@ def falling_inputs(n, seed=11):
     score highest, so a threshold guessed from a row's first keys is too high."""
     import cupy
 
-    (_, _, _), (q, k, w) = device_inputs(n, n, 64, 128, seed=seed)
+    _, (q, k, w) = device_inputs(n, n, 64, 128, seed=seed)
     k = np.abs(k.astype(np.float32)) * np.exp(-np.arange(n, dtype=np.float32) / 300)[:, None]
     q = np.abs(q.astype(np.float32)).astype(bfloat16)
     return tuple(cupy.asarray(a) for a in (q, k.astype(bfloat16), np.abs(w)))
