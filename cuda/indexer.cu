@@ -86,6 +86,10 @@ constexpr u32 NEG_INF_KEY = 0x007FFFFFu;  // key of -inf: thresholds start here
 
 __device__ __forceinline__ u32 score_key(u32 bits) { return Float32<false>::key(bits); }
 
+// score_key of a score from head_sums, which is never -0.0 and whose one NaN
+// is 0x7FFFFFFF: the sign flip alone orders those bits.
+__device__ __forceinline__ u32 summed_score_key(u32 bits) { return bits ^ ((u32)((int)bits >> 31) | 0x80000000u); }
+
 __device__ __forceinline__ u32 key_to_bits(u32 key) { return (key & 0x80000000u) ? (key ^ 0x80000000u) : ~key; }
 
 struct GroupShared {
@@ -158,8 +162,9 @@ __device__ __forceinline__ int w_slot(int col) {
 }
 
 // The head-weighted ReLU sums s[qi][rr] of key rows key_row(rr), 8-column
-// blocks in ascending order, then the quad butterfly and one NaN. Finished
-// scores are identical in the four lanes of a quad.
+// blocks in ascending order, then the quad butterfly, one NaN (0x7FFFFFFF)
+// and no -0.0 (a sum that underflows from below reads +0.0). Finished scores
+// are identical in the four lanes of a quad.
 __device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 2], const float* w_s, float (&s)[TQ][2]) {
     static_assert(ROW_BLOCKS % 2 == 0, "blocks in pairs");
     const int quad = threadIdx.x & 3;
@@ -183,6 +188,8 @@ __device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 2], const f
         s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
         s0 += __shfl_xor_sync(FULL_MASK, s0, 2);
         s1 += __shfl_xor_sync(FULL_MASK, s1, 2);
+        s0 += 0.f;  // -0.0 + +0.0 is +0.0; every other value stays
+        s1 += 0.f;
         s[qi][0] = s0 != s0 ? __int_as_float(0x7FFFFFFF) : s0;  // one NaN
         s[qi][1] = s1 != s1 ? __int_as_float(0x7FFFFFFF) : s1;
     }
@@ -217,11 +224,13 @@ __device__ __forceinline__ void tile_scores(float (&acc)[QROWS / 2], const float
     keep_owned(scores, owned);
 }
 
+// Candidate buffers: (bits, index) pairs, [2][TQ][cap] per CTA; at() counts
+// pairs from the start of the grid's buffer (below 2^32: the host checks).
 struct Buffers {
-    u32* bits;  // [2][TQ][cap] per CTA
-    u32* idx;
+    uint2* pairs;
     int cap;
-    __device__ __forceinline__ size_t at(int flip, int qi) const { return ((size_t)flip * TQ + qi) * cap; }
+    u32 cta_base;  // this CTA's first pair
+    __device__ __forceinline__ u32 at(u32 flip, int qi) const { return cta_base + (flip * TQ + qi) * (u32)cap; }
 };
 
 // A query's candidates as a prune visits them in its buffer (global memory):
@@ -232,15 +241,14 @@ struct Buffers {
 // flight.
 constexpr int PRUNE_U = 4;
 struct StoredCandidates {
-    const u32* bits;
-    const u32* idx;
+    const uint2* c;
     u32 n;
     template <typename F>
     __device__ void keys(F&& f) const {
         for (u32 base = 0; base < n; base += PRUNE_U * THREADS) {
             u32 b[PRUNE_U];
             #pragma unroll
-            for (int u = 0; u < PRUNE_U; ++u) b[u] = bits[min(base + u * THREADS + threadIdx.x, n - 1)];
+            for (int u = 0; u < PRUNE_U; ++u) b[u] = c[min(base + u * THREADS + threadIdx.x, n - 1)].x;
             #pragma unroll
             for (int u = 0; u < PRUNE_U; ++u) f(score_key(b[u]), base + u * THREADS + threadIdx.x < n);
         }
@@ -251,9 +259,9 @@ struct StoredCandidates {
             u32 b[PRUNE_U], x[PRUNE_U];
             #pragma unroll
             for (int u = 0; u < PRUNE_U; ++u) {
-                const u32 i = min(base + u * THREADS + threadIdx.x, n - 1);  // past the end: a repeat load
-                b[u] = bits[i];
-                x[u] = idx[i];
+                const uint2 v = c[min(base + u * THREADS + threadIdx.x, n - 1)];  // past the end: a repeat load
+                b[u] = v.x;
+                x[u] = v.y;
             }
             #pragma unroll
             for (int u = 0; u < PRUNE_U; ++u) f(score_key(b[u]), x[u], base + u * THREADS + threadIdx.x < n);
@@ -301,8 +309,7 @@ __device__ void prune_done(GroupShared& sh, int qi, u32 kept, u32 thr) {
 
 // Cut query qi's n > k candidates `c` back to its top k (score key, then
 // lower index) into dst, reading the buffer on every pass.
-__device__ void prune_stored(GroupShared& sh, const StoredCandidates& c, u32* dst_bits, u32* dst_idx, int qi,
-                             u32 k) {
+__device__ void prune_stored(GroupShared& sh, const StoredCandidates& c, uint2* dst, int qi, u32 k) {
     u32 above, ties;
     const u32 thr = block_kth_largest_of<u32, 32>(CandidateKeys<StoredCandidates>{c}, k, sh.hist, sh.scratch,
                                                   sh.found, &above, &ties);
@@ -312,10 +319,7 @@ __device__ void prune_stored(GroupShared& sh, const StoredCandidates& c, u32* ds
     c.pairs([&](u32 key, u32 index, bool valid) {
         const bool keep = valid && (key > thr || (key == thr && index <= max_tie_idx));
         const u32 slot = warp_append(&sh.next_slot, keep);
-        if (keep) {
-            dst_bits[slot] = key_to_bits(key);
-            dst_idx[slot] = index;
-        }
+        if (keep) dst[slot] = make_uint2(key_to_bits(key), index);
     });
     prune_done(sh, qi, k, thr);
 }
@@ -330,12 +334,13 @@ constexpr int HELD = 40;
 struct HeldCandidates {
     u32 key[HELD], idx[HELD];
     u32 n;
-    __device__ HeldCandidates(const u32* bits, const u32* index, u32 count) : n(count) {
+    __device__ HeldCandidates(const uint2* c, u32 count) : n(count) {
         #pragma unroll
         for (int u = 0; u < HELD; ++u) {
             const u32 i = u * THREADS + threadIdx.x;
-            key[u] = i < n ? score_key(bits[i]) : 0u;
-            idx[u] = i < n ? index[i] : 0u;
+            const uint2 v = i < n ? c[i] : make_uint2(0u, 0u);
+            key[u] = i < n ? score_key(v.x) : 0u;
+            idx[u] = v.y;
         }
     }
     __device__ bool holds(int u) const { return u * THREADS + threadIdx.x < n; }
@@ -351,9 +356,8 @@ struct HeldCandidates {
 // the lowest key of a radix bucket up, where a pass of the select finds a
 // bucket that leaves at most `most` (a superset of the top k, for a settle:
 // the selection's last prune is exact).
-__device__ void prune_held(GroupShared& sh, const StoredCandidates& stored, u32* dst_bits, u32* dst_idx, int qi,
-                           u32 k, u32 most) {
-    const HeldCandidates c(stored.bits, stored.idx, stored.n);
+__device__ void prune_held(GroupShared& sh, const StoredCandidates& stored, uint2* dst, int qi, u32 k, u32 most) {
+    const HeldCandidates c(stored.c, stored.n);
     u32 lo = 0xFFFFFFFFu, hi = 0;
     #pragma unroll
     for (int u = 0; u < HELD && !c.round_empty(u); ++u)
@@ -380,9 +384,7 @@ __device__ void prune_held(GroupShared& sh, const StoredCandidates& stored, u32*
     #pragma unroll
     for (int u = 0; u < HELD && !c.round_empty(u); ++u)
         if (c.holds(u) && (c.key[u] > thr || (c.key[u] == thr && c.idx[u] <= max_tie_idx))) {
-            dst_bits[slot] = key_to_bits(c.key[u]);
-            dst_idx[slot] = c.idx[u];
-            ++slot;
+            dst[slot++] = make_uint2(key_to_bits(c.key[u]), c.idx[u]);
         }
     // A bucket cut leaves fewer than all candidates, so thr > 0 and appends need a key > thr - 1; the
     // threshold never falls (every candidate is above the old one).
@@ -396,13 +398,12 @@ __device__ void prune_held(GroupShared& sh, const StoredCandidates& stored, u32*
 // at most `most` of them where prune_held finds one early. Not inlined: ptxas
 // takes far longer on the kernel with a prune inlined at both callers.
 __device__ __noinline__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k, u32 most) {
-    const StoredCandidates c{buf.bits + buf.at(sh.flip[qi], qi), buf.idx + buf.at(sh.flip[qi], qi), sh.count[qi]};
-    u32* dst_bits = buf.bits + buf.at(sh.flip[qi] ^ 1, qi);
-    u32* dst_idx = buf.idx + buf.at(sh.flip[qi] ^ 1, qi);
+    const StoredCandidates c{buf.pairs + buf.at(sh.flip[qi], qi), sh.count[qi]};
+    uint2* dst = buf.pairs + buf.at(sh.flip[qi] ^ 1, qi);
     if (c.n <= HELD * THREADS)
-        prune_held(sh, c, dst_bits, dst_idx, qi, k, most);
+        prune_held(sh, c, dst, qi, k, most);
     else
-        prune_stored(sh, c, dst_bits, dst_idx, qi, k);
+        prune_stored(sh, c, dst, qi, k);
 }
 
 // Sort query qi's kept candidates (at most k) and write its output row.
@@ -410,15 +411,15 @@ __device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32
                                 int* out_idx, float* out_scores) {
     if (sh.count[qi] > k) prune(sh, buf, qi, k, k);
     const u32 n = sh.count[qi];
-    const u32* bits = buf.bits + buf.at(sh.flip[qi], qi);
-    const u32* idx = buf.idx + buf.at(sh.flip[qi], qi);
+    const uint2* c = buf.pairs + buf.at(sh.flip[qi], qi);
     u32* keys = reinterpret_cast<u32*>(sort_area);
     u32* order = keys + SORT_CAP;
     int n_pad = 1;
     while (n_pad < (int)n) n_pad <<= 1;
     for (int j = threadIdx.x; j < n_pad; j += THREADS) {
-        keys[j] = j < (int)n ? score_key(bits[j]) : 0u;
-        order[j] = j < (int)n ? idx[j] : 0xFFFFFFFFu;
+        const uint2 v = j < (int)n ? c[j] : make_uint2(0u, 0xFFFFFFFFu);
+        keys[j] = j < (int)n ? score_key(v.x) : 0u;
+        order[j] = v.y;
     }
     __syncthreads();
     block_bitonic_sort<true>(keys, order, n_pad);
@@ -585,15 +586,28 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
     unsigned char* q_tile = smem;
     unsigned char* k_tiles = smem + Q_BYTES;
     float* w_s = reinterpret_cast<float*>(smem + Q_BYTES + STAGES * K_BYTES);
-    buf.bits += (size_t)blockIdx.x * 2 * TQ * buf.cap;
-    buf.idx += (size_t)blockIdx.x * 2 * TQ * buf.cap;
+    buf.cta_base = blockIdx.x * 2 * TQ * (u32)buf.cap;
     const u32 k = (u32)topk;
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
         const OwnedRanges range(sh);
-        int guess_at[OWNED];
+        // The owned queries' append state in registers; only a settle changes
+        // it, and reads it again at its end.
+        int guess_at[OWNED];  // a guess is due from this key on; NO_GUESS once made or given up
+        u32 thr_of[OWNED];    // the threshold key
+        u32 half_at[OWNED];   // buf.at() of the buffer half taking appends
         #pragma unroll
         for (int m = 0; m < OWNED; ++m) guess_at[m] = guess_point(range.lo[m], range.hi[m], k, guess);
+        auto read_state = [&]() {
+            #pragma unroll
+            for (int m = 0; m < OWNED; ++m) {
+                const int qi = min(4 * m + (int)(threadIdx.x & 3), TQ - 1);  // past TQ: never appends
+                thr_of[m] = sh.thr[qi];
+                half_at[m] = buf.at(sh.flip[qi], qi);
+                if (sh.guess[qi] != GUESS_OPEN) guess_at[m] = NO_GUESS;
+            }
+        };
+        read_state();
         // Appends: a score enters when its key beats the threshold; the flag
         // says a buffer could not take another tile (count + KT > cap) or a
         // guess is due, and settle prunes before the next tile's appends.
@@ -603,16 +617,14 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
             for (int m = 0; m < OWNED; ++m) {
                 const int qi = 4 * m + (int)(threadIdx.x & 3);
                 if (qi >= TQ) continue;
-                full |= sh.guess[qi] == GUESS_OPEN && s0 + KT >= guess_at[m];
-                const u32 thr = sh.thr[qi];
+                full |= s0 + KT >= guess_at[m];
                 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     const int s = s0 + key_row(rr);
                     const u32 bits = __float_as_uint(owned[m][rr]);
-                    if (range.visible(m, s) && score_key(bits) > thr) {
+                    if (range.visible(m, s) && summed_score_key(bits) > thr_of[m]) {
                         const u32 slot = atomicAdd(&sh.count[qi], 1u);
-                        buf.bits[buf.at(sh.flip[qi], qi) + slot] = bits;
-                        buf.idx[buf.at(sh.flip[qi], qi) + slot] = (u32)s;
+                        buf.pairs[half_at[m] + slot] = make_uint2(bits, (u32)s);
                         full |= slot + 1 + KT > (u32)buf.cap;
                     }
                 }
@@ -635,6 +647,7 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
                 }
             }
             __syncthreads();  // every thread has read the counts before the next appends
+            read_state();
         };
         stream_group(sh, p, q_tile, k_tiles, w_s, append, settle);
         for (int qi = 0; qi < TQ && t0 + qi < p.n_q; ++qi) {
@@ -681,10 +694,10 @@ __device__ void scores_cta(const Problem& p, int* work_counter, float* table) {
 // of dynamic shared memory (ops/indexer/gpu.py computes the same).
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 indexer_topk_kernel(const u16* q, const u16* k, const float* w, const int* lo, const int* hi, int n_q, int n_k,
-                    int topk, int* work_counter, u32* buf_bits, u32* buf_idx, int cap, float guess_beta,
+                    int topk, int* work_counter, uint2* buf_pairs, int cap, float guess_beta,
                     int guess_min, int* failed_count, int* failed_rows, int* out_idx, float* out_scores) {
     const Problem p{q, k, w, lo, hi, n_q, n_k};
-    topk_cta(p, topk, work_counter, Buffers{buf_bits, buf_idx, cap},
+    topk_cta(p, topk, work_counter, Buffers{buf_pairs, cap, 0u},
              Guess{guess_beta, (u32)max(guess_min, 1), failed_count, failed_rows}, out_idx, out_scores);
 }
 

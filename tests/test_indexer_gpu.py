@@ -235,6 +235,33 @@ def test_every_score_tied():
                                           materialised(table, topk), err_msg=f"{mask} topk={topk}")
 
 
+def test_scores_that_underflow_below_zero_read_plus_zero():
+    """Rows 0..499: every head's term, -1e-23 times a dot product of at most about 4e-24, rounds to
+    -0.0 where the dot product is positive. The kernel folds such sums to +0.0 (its appends order
+    fresh scores by their sign bit alone), so the table holds +0.0 there and the streaming
+    selection, where every one of those keys ties, equals the materialised one."""
+    import cupy
+
+    _, (q, k, w) = device_inputs(1000, 1000, 64, 128, seed=8)
+    q[:500] = bfloat16(1e-25)
+    w[:500] = -1e-23
+    q, k, w = (cupy.asarray(a) for a in (q, k, w))
+    table = to_host(hs.indexer_scores(q, k, w))
+    visible = np.isfinite(table[:500])
+    assert (table[:500][visible] == 0).all() and not np.signbit(table[:500][visible]).any()
+    for topk in (7, 64, 300):
+        np.testing.assert_array_equal(to_host(hs.indexer_topk(q, k, w, topk)), materialised(table, topk))
+
+
+def test_candidate_buffers_past_32_bit_offsets_are_refused(monkeypatch):
+    from hyscale_core.ops.indexer import gpu
+
+    monkeypatch.setattr(gpu, "BUFFER_KS", 2**20)
+    (q, k, w), _ = device_inputs(64, 64, 64, 128)
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        hs.indexer_topk(q, k, w, 16)
+
+
 def test_scores_match_float64_reference_and_cpu_selection():
     (q, k, w), (hq, hk, hw) = device_inputs(512, 512, 64, 128, seed=4)
     scores = to_host(hs.indexer_scores(q, k, w))

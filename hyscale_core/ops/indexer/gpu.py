@@ -124,13 +124,15 @@ def indexer_topk(q, k, w, topk: int, lo, hi, want_scores: bool):
     q16, k16, w32, lo32, hi32 = _operands(cp, q, k, w, lo, hi, in_dtype)
     grid = _grid(cp)
     cap = BUFFER_KS * topk + KT  # room for one more tile of appends after each prune check
-    buf_bits = cp.empty(grid * 2 * per_group * cap, dtype=cp.uint32)
-    buf_idx = cp.empty(grid * 2 * per_group * cap, dtype=cp.uint32)
+    n_pairs = grid * 2 * per_group * cap
+    if n_pairs >= 2**32:  # the kernel counts pairs in 32 bits
+        raise ValueError(f"indexer_topk: topk={topk} needs candidate buffers of {n_pairs} pairs, past 2**32")
+    buf_pairs = cp.empty(2 * n_pairs, dtype=cp.uint32)  # (score bits, key index) pairs
     counter = cp.zeros(1, dtype=cp.int32)
     failed = cp.zeros(1 + n_q, dtype=cp.int32)  # count, then the rows
     kernel = get_kernel("indexer", "indexer_topk_kernel", smem, defines)
     kernel((grid,), (128,), (q16, k16, w32, lo32, hi32, np.int32(n_q), np.int32(k.shape[0]), np.int32(topk),
-                             counter, buf_bits, buf_idx, np.int32(cap), np.float32(GUESS_BETA),
+                             counter, buf_pairs, np.int32(cap), np.float32(GUESS_BETA),
                              np.int32(GUESS_MIN), failed[:1], failed[1:], indices,
                              scores if scores is not None else np.uint64(0)), shared_mem=smem)
     n_failed = int(failed[0].get())
