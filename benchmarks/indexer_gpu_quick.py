@@ -9,7 +9,12 @@ device call, so that the trees share the GPU's state.
 
 ``--guess-beta`` sets the kernel's threshold guess (``GUESS_BETA``; 0 turns
 it off) for A/B runs in one tree; each top-k's line counts the rows its
-timed runs selected again after a failed guess.
+timed runs selected again after a failed guess. ``--out FOLDER`` also writes
+the line's figures as a results JSON (rows with ``median_ms``), as
+``benchmarks.ab_runs`` wants:
+
+    python -m benchmarks.ab_runs --tree main=ab_main@d8d1406 --tree new=. -- \
+        indexer_gpu_quick --n 131072 --ks 2048 --topk-only --repeats 3
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ def main(argv=None) -> None:
     from .indexer_gpu_breakdown import scores_only, wall_ms
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--label", required=True, help="names the tree in the output line")
+    parser.add_argument("--label", default="run", help="names the tree in the output line")
     parser.add_argument("--n", type=int, default=131072)
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
@@ -39,6 +44,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each top-k (median)")
     parser.add_argument("--chunk", type=int, default=16384, help="query chunk of the score-only run")
     parser.add_argument("--guess-beta", type=float, default=None, help="the kernel's GUESS_BETA (0: no guess)")
+    parser.add_argument("--out", default=None, help="folder for a results JSON of this run")
     args = parser.parse_args(argv)
     reselected = count_reselections(args.guess_beta)
 
@@ -53,6 +59,26 @@ def main(argv=None) -> None:
         row[f"topk{topk}_ms"] = round(wall_ms(cp, lambda: hs.indexer_topk(q, k, w, topk), args.repeats), 2)
         row[f"topk{topk}_reselected"] = max(reselected, default=0)  # the same rows in every run
     print(json.dumps(row), flush=True)
+    if args.out:
+        from pathlib import Path
+
+        from .common import gpu_device, write_results
+
+        write_results("indexer_gpu_quick", gpu_device(), result_rows(row, args.repeats), Path(args.out))
+
+
+def result_rows(row: dict, repeats: int) -> list[dict]:
+    """The printed line as results rows: one per timed call, with ``median_ms``."""
+    config = {"n": row["n"], "heads": row["heads"], "guess_beta": row["guess_beta"]}
+    rows = []
+    if "scores_ms" in row:
+        rows.append({"impl": "scores alone", "config": config, "median_ms": row["scores_ms"], "repeats": 3})
+    for key, value in row.items():
+        if key.startswith("topk") and key.endswith("_ms"):
+            topk = key[len("topk"):-len("_ms")]
+            rows.append({"impl": f"indexer_topk k={topk}", "config": config, "median_ms": value,
+                         "repeats": repeats, "reselected_rows": row[f"topk{topk}_reselected"]})
+    return rows
 
 
 def count_reselections(guess_beta):

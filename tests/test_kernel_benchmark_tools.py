@@ -112,3 +112,14 @@ def test_ab_runs_alternates_the_trees_and_merges_their_rows(tmp_path, capsys):
     assert "3 / 3" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="LABEL=PATH"):
         ab_runs.main(["--tree", "nolabel", "--", "fake"])
+
+
+def test_indexer_quick_rows_carry_each_timed_call():
+    from benchmarks import indexer_gpu_quick
+
+    line = {"label": "x", "n": 4096, "heads": 64, "guess_beta": 1.75, "scores_ms": 3.5,
+            "topk256_ms": 4.0, "topk256_reselected": 0, "topk2048_ms": 5.25, "topk2048_reselected": 2}
+    rows = indexer_gpu_quick.result_rows(line, repeats=3)
+    assert [(r["impl"], r["median_ms"]) for r in rows] == [
+        ("scores alone", 3.5), ("indexer_topk k=256", 4.0), ("indexer_topk k=2048", 5.25)]
+    assert rows[2]["reselected_rows"] == 2 and rows[2]["config"] == {"n": 4096, "heads": 64, "guess_beta": 1.75}
