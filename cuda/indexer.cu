@@ -162,9 +162,8 @@ __device__ __forceinline__ int w_slot(int col) {
 }
 
 // The head-weighted ReLU sums s[qi][rr] of key rows key_row(rr), 8-column
-// blocks in ascending order, then the quad butterfly, one NaN (0x7FFFFFFF)
-// and no -0.0 (a sum that underflows from below reads +0.0). Finished scores
-// are identical in the four lanes of a quad.
+// blocks in ascending order, then the quad butterfly: the sums are identical
+// in the four lanes of a quad.
 __device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 2], const float* w_s, float (&s)[TQ][2]) {
     static_assert(ROW_BLOCKS % 2 == 0, "blocks in pairs");
     const int quad = threadIdx.x & 3;
@@ -186,12 +185,8 @@ __device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 2], const f
         float s0 = s[qi][0], s1 = s[qi][1];
         s0 += __shfl_xor_sync(FULL_MASK, s0, 1);
         s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
-        s0 += __shfl_xor_sync(FULL_MASK, s0, 2);
-        s1 += __shfl_xor_sync(FULL_MASK, s1, 2);
-        s0 += 0.f;  // -0.0 + +0.0 is +0.0; every other value stays
-        s1 += 0.f;
-        s[qi][0] = s0 != s0 ? __int_as_float(0x7FFFFFFF) : s0;  // one NaN
-        s[qi][1] = s1 != s1 ? __int_as_float(0x7FFFFFFF) : s1;
+        s[qi][0] = s0 + __shfl_xor_sync(FULL_MASK, s0, 2);
+        s[qi][1] = s1 + __shfl_xor_sync(FULL_MASK, s1, 2);
     }
 }
 
@@ -213,7 +208,8 @@ __device__ __forceinline__ void keep_owned(const float (&scores)[TQ][2], float (
 }
 
 // Wait for the tile issue_tile started and leave this lane's scores in
-// owned (keep_owned). The accumulator is free on return.
+// owned (keep_owned), with one NaN (0x7FFFFFFF) and no -0.0 (a sum that
+// underflowed from below reads +0.0). The accumulator is free on return.
 __device__ __forceinline__ void tile_scores(float (&acc)[QROWS / 2], const float* w_s, float (&owned)[OWNED][2]) {
     float scores[TQ][2];
     #pragma unroll
@@ -222,6 +218,13 @@ __device__ __forceinline__ void tile_scores(float (&acc)[QROWS / 2], const float
     wgmma_fence_operands(acc);
     head_sums(acc, w_s, scores);
     keep_owned(scores, owned);
+    #pragma unroll
+    for (int m = 0; m < OWNED; ++m)
+        #pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const float v = owned[m][rr] + 0.f;  // -0.0 + +0.0 is +0.0; every other value stays
+            owned[m][rr] = v != v ? __int_as_float(0x7FFFFFFF) : v;
+        }
 }
 
 // Candidate buffers: (bits, index) pairs, [2][TQ][cap] per CTA; at() counts
@@ -618,15 +621,19 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
                 const int qi = 4 * m + (int)(threadIdx.x & 3);
                 if (qi >= TQ) continue;
                 full |= s0 + KT >= guess_at[m];
+                bool take[2];
                 #pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    const int s = s0 + key_row(rr);
-                    const u32 bits = __float_as_uint(owned[m][rr]);
-                    if (range.visible(m, s) && summed_score_key(bits) > thr_of[m]) {
-                        const u32 slot = atomicAdd(&sh.count[qi], 1u);
-                        buf.pairs[half_at[m] + slot] = make_uint2(bits, (u32)s);
-                        full |= slot + 1 + KT > (u32)buf.cap;
-                    }
+                for (int rr = 0; rr < 2; ++rr)
+                    take[rr] = range.visible(m, s0 + key_row(rr)) &&
+                               summed_score_key(__float_as_uint(owned[m][rr])) > thr_of[m];
+                if (take[0] || take[1]) {  // both rows' appends in one place: one atomic, one branch
+                    u32 slot = atomicAdd(&sh.count[qi], (u32)take[0] + (u32)take[1]);
+                    #pragma unroll
+                    for (int rr = 0; rr < 2; ++rr)
+                        if (take[rr])
+                            buf.pairs[half_at[m] + slot++] = make_uint2(__float_as_uint(owned[m][rr]),
+                                                                         (u32)(s0 + key_row(rr)));
+                    full |= slot + KT > (u32)buf.cap;  // slot: this query's count after them
                 }
             }
             return full;
