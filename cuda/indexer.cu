@@ -8,7 +8,9 @@
 // query rows in shared memory as the B operand of wgmma; key tiles of 64 rows
 // stream through a two-stage cp.async pipeline as the A operand. The
 // accumulator row is a key, the column a (query, head) pair, so the head sum
-// is a per-thread sum over its columns plus a two-step quad butterfly.
+// is a per-thread sum over its columns, then two steps across the quad of
+// lanes that share a key row (quad_sums), which leave each lane the sums of
+// the queries it owns.
 //
 // Schedule: a tile's products are one wgmma group of m64n256k16 (the key
 // tile read from shared memory once per k-step; two m64n128k16 halves read
@@ -20,8 +22,9 @@
 // reads neither the key stages nor the accumulator, and each lane gets the
 // scores of the queries it owns (every fourth); one barrier per tile, after
 // every warp has waited for tile j's group, precedes the refill of tile j's
-// stage and separates consecutive consumes. Each (key, query) score is a sum
-// over its heads in ascending order, whatever H.
+// stage and separates consecutive consumes. Each (key, query) score is
+// summed in one fixed order (heads within a lane ascending, then quad_sums'),
+// whatever the kernel, so the two kernels' scores agree bitwise.
 //
 // Selection (indexer_topk_*): a score enters the query's candidate buffer
 // only if its key beats the running threshold; when the buffer could not
@@ -161,9 +164,8 @@ __device__ __forceinline__ int w_slot(int col) {
     return 16 * (j >> 1) + 4 * quad + 2 * (j & 1) + (col & 1);
 }
 
-// The head-weighted ReLU sums s[qi][rr] of key rows key_row(rr), 8-column
-// blocks in ascending order, then the quad butterfly: the sums are identical
-// in the four lanes of a quad.
+// This lane's part of the head-weighted ReLU sums s[qi][rr] of key rows
+// key_row(rr): its columns, 8-column blocks in ascending order.
 __device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 2], const float* w_s, float (&s)[TQ][2]) {
     static_assert(ROW_BLOCKS % 2 == 0, "blocks in pairs");
     const int quad = threadIdx.x & 3;
@@ -180,44 +182,67 @@ __device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 2], const f
             s[qi][1] = fmaf(w1, fmaxf(acc[4 * j + 3], 0.f), s[qi][1]);
         }
     }
-    #pragma unroll
-    for (int qi = 0; qi < TQ; ++qi) {
-        float s0 = s[qi][0], s1 = s[qi][1];
-        s0 += __shfl_xor_sync(FULL_MASK, s0, 1);
-        s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
-        s[qi][0] = s0 + __shfl_xor_sync(FULL_MASK, s0, 2);
-        s[qi][1] = s1 + __shfl_xor_sync(FULL_MASK, s1, 2);
+}
+
+// owned[m][rr]: the sum over the four lanes of a quad of their parts
+// part[4 m + quad][rr], where that query exists; each lane consumes only its
+// own queries. With TQ a multiple of 4, recursive halving: a lane sends its
+// partner (quad ^ 2, then quad ^ 1) the parts the partner keeps, and query c
+// = quad sums to (p_c + p_{c^2}) + (p_{c^1} + p_{c^3}), each sum formed in one
+// lane. Otherwise the butterfly gives every lane every sum, then a select.
+// Either way one (key, query) always gets the same bits.
+__device__ __forceinline__ void quad_sums(const float (&part)[TQ][2], float (&owned)[OWNED][2]) {
+    const int quad = threadIdx.x & 3;
+    if constexpr (TQ % 4 == 0) {
+        const bool high = quad & 2, odd = quad & 1;
+        #pragma unroll
+        for (int m = 0; m < OWNED; ++m) {
+            float half[2][2];  // [c][rr]: query 4 m + c + (high ? 2 : 0) over lanes quad and quad ^ 2
+            #pragma unroll
+            for (int c = 0; c < 2; ++c)
+                #pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const float lo = part[4 * m + c][rr], hi = part[4 * m + c + 2][rr];
+                    half[c][rr] = (high ? hi : lo) + __shfl_xor_sync(FULL_MASK, high ? lo : hi, 2);
+                }
+            #pragma unroll
+            for (int rr = 0; rr < 2; ++rr)
+                owned[m][rr] = (odd ? half[1][rr] : half[0][rr]) +
+                               __shfl_xor_sync(FULL_MASK, odd ? half[0][rr] : half[1][rr], 1);
+        }
+    } else {
+        float sums[TQ][2];
+        #pragma unroll
+        for (int qi = 0; qi < TQ; ++qi)
+            #pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const float v = part[qi][rr] + __shfl_xor_sync(FULL_MASK, part[qi][rr], 1);
+                sums[qi][rr] = v + __shfl_xor_sync(FULL_MASK, v, 2);
+            }
+        #pragma unroll
+        for (int m = 0; m < OWNED; ++m)
+            #pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                float v = sums[4 * m][rr];
+                #pragma unroll
+                for (int c = 1; c < 4; ++c)
+                    if (4 * m + c < TQ) v = quad == c ? sums[4 * m + c][rr] : v;
+                owned[m][rr] = v;
+            }
     }
 }
 
-// owned[m][rr] = scores[4 * m + quad][rr] where that query exists: the lanes
-// of a quad hold the same scores, and each consumes only its own queries
-// (fewer registers live while the next tile's accumulators are in flight).
-__device__ __forceinline__ void keep_owned(const float (&scores)[TQ][2], float (&owned)[OWNED][2]) {
-    const int quad = threadIdx.x & 3;
-    #pragma unroll
-    for (int m = 0; m < OWNED; ++m)
-        #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            float v = scores[4 * m][rr];
-            #pragma unroll
-            for (int c = 1; c < 4; ++c)
-                if (4 * m + c < TQ) v = quad == c ? scores[4 * m + c][rr] : v;
-            owned[m][rr] = v;
-        }
-}
-
 // Wait for the tile issue_tile started and leave this lane's scores in
-// owned (keep_owned), with one NaN (0x7FFFFFFF) and no -0.0 (a sum that
+// owned (quad_sums), with one NaN (0x7FFFFFFF) and no -0.0 (a sum that
 // underflowed from below reads +0.0). The accumulator is free on return.
 __device__ __forceinline__ void tile_scores(float (&acc)[QROWS / 2], const float* w_s, float (&owned)[OWNED][2]) {
-    float scores[TQ][2];
+    float part[TQ][2];
     #pragma unroll
-    for (int qi = 0; qi < TQ; ++qi) scores[qi][0] = scores[qi][1] = 0.f;
+    for (int qi = 0; qi < TQ; ++qi) part[qi][0] = part[qi][1] = 0.f;
     wgmma_wait<0>();
     wgmma_fence_operands(acc);
-    head_sums(acc, w_s, scores);
-    keep_owned(scores, owned);
+    head_sums(acc, w_s, part);
+    quad_sums(part, owned);
     #pragma unroll
     for (int m = 0; m < OWNED; ++m)
         #pragma unroll
