@@ -21,7 +21,9 @@ second pass each; ``GUESS_BETA = 0`` turns the guess off.
 
 Precision: bfloat16 and float16 inputs are used as they are; float32 and
 float64 inputs are rounded to bfloat16 first. Products and sums run in
-float32. ReLU maps NaN to 0.
+float32. ReLU maps NaN to 0. Every NaN score is the one NaN 0x7FFFFFFF, and a
+sum that rounds to -0.0 (tiny negative terms) reads +0.0, which the
+selection ranks the same.
 """
 from __future__ import annotations
 
