@@ -90,8 +90,8 @@ constexpr u32 NEG_INF_KEY = 0x007FFFFFu;  // key of -inf: thresholds start here
 __device__ __forceinline__ u32 score_key(u32 bits) { return Float32<false>::key(bits); }
 
 // score_key of a score from tile_scores, which is never -0.0 and whose one
-// NaN is 0x7FFFFFFF: the sign flip alone orders those bits.
-__device__ __forceinline__ u32 summed_score_key(u32 bits) { return bits ^ ((u32)((int)bits >> 31) | 0x80000000u); }
+// NaN is 0x7FFFFFFF: there the key without NaN or zero folding (pre) is exact.
+__device__ __forceinline__ u32 summed_score_key(u32 bits) { return Float32<false>::pre(bits); }
 
 __device__ __forceinline__ u32 key_to_bits(u32 key) { return (key & 0x80000000u) ? (key ^ 0x80000000u) : ~key; }
 
