@@ -34,7 +34,7 @@ from ..._dtypes import bfloat16
 from ...gpu.module import get_kernel, multiprocessor_count
 from . import gpu_fallback
 
-QROWS, KT, STAGES = 256, 64, 2  # cuda/indexer.cu
+QROWS, KT, STAGES = 256, 64, 2  # cuda/indexer_config.cuh
 CTAS_PER_SM = 2
 # Candidates a query's buffer holds before it is cut back to topk, in
 # multiples of topk (benchmarks/indexer_gpu_breakdown.py --buffer-ks sweeps

@@ -1,0 +1,216 @@
+// The fused indexer's candidate buffers (cuda/indexer.cu): the prunes that
+// cut a query's candidates back to its top k, and the final sort and write
+// of its selection.
+#pragma once
+
+#include "indexer_config.cuh"
+
+namespace {
+
+// Candidate buffers: (bits, index) pairs, [2][TQ][cap] per CTA; at() counts
+// pairs from the start of the grid's buffer (below 2^32: the host checks).
+struct Buffers {
+    uint2* pairs;
+    int cap;
+    u32 cta_base;  // this CTA's first pair
+    __device__ __forceinline__ u32 at(u32 flip, int qi) const { return cta_base + (flip * TQ + qi) * (u32)cap; }
+};
+
+// A query's candidates as a prune visits them in its buffer (global memory):
+// keys(f) calls f(key, valid) and pairs(f) calls f(key, index, valid) for
+// every candidate of the calling thread, making the same calls in every lane
+// of a warp (f may be warp-collective). Every visit reads the buffer again,
+// PRUNE_U candidates per thread per round so that several loads are in
+// flight.
+constexpr int PRUNE_U = 4;
+struct StoredCandidates {
+    const uint2* c;
+    u32 n;
+    template <typename F>
+    __device__ void keys(F&& f) const {
+        for (u32 base = 0; base < n; base += PRUNE_U * THREADS) {
+            u32 b[PRUNE_U];
+            #pragma unroll
+            for (int u = 0; u < PRUNE_U; ++u) b[u] = c[min(base + u * THREADS + threadIdx.x, n - 1)].x;
+            #pragma unroll
+            for (int u = 0; u < PRUNE_U; ++u) f(score_key(b[u]), base + u * THREADS + threadIdx.x < n);
+        }
+    }
+    template <typename F>
+    __device__ void pairs(F&& f) const {
+        for (u32 base = 0; base < n; base += PRUNE_U * THREADS) {
+            u32 b[PRUNE_U], x[PRUNE_U];
+            #pragma unroll
+            for (int u = 0; u < PRUNE_U; ++u) {
+                const uint2 v = c[min(base + u * THREADS + threadIdx.x, n - 1)];  // past the end: a repeat load
+                b[u] = v.x;
+                x[u] = v.y;
+            }
+            #pragma unroll
+            for (int u = 0; u < PRUNE_U; ++u) f(score_key(b[u]), x[u], base + u * THREADS + threadIdx.x < n);
+        }
+    }
+};
+
+// The visits block_kth_largest_of makes: every candidate's key; the
+// complemented index of every candidate whose key equals `thr`.
+template <typename C>
+struct CandidateKeys {
+    const C& c;
+    template <typename F>
+    __device__ void operator()(F&& f) const { c.keys(f); }
+};
+struct TiedIndices {
+    const StoredCandidates& c;
+    u32 thr;
+    template <typename F>
+    __device__ void operator()(F&& f) const {
+        c.pairs([&](u32 key, u32 index, bool valid) { f(~index, valid && key == thr); });
+    }
+};
+
+// The largest index kept among the candidates whose key is the k-th's
+// (`thr`): of `ties` such candidates, `need` are kept, the lowest indices.
+__device__ u32 max_kept_tie(GroupShared& sh, const StoredCandidates& c, u32 thr, u32 need, u32 ties) {
+    if (ties <= need) return 0xFFFFFFFFu;
+    u32 unused;
+    return ~block_kth_largest_of<u32, 32>(TiedIndices{c, thr}, need, sh.hist, sh.scratch, sh.found, &unused);
+}
+
+// The last step of every prune: query qi holds `kept` candidates (its top
+// k, or a superset of them) in the other half of its buffer, all with keys
+// above threshold key `thr`.
+__device__ void prune_done(GroupShared& sh, int qi, u32 kept, u32 thr) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        sh.count[qi] = kept;
+        sh.thr[qi] = thr;
+        sh.flip[qi] ^= 1;
+    }
+    __syncthreads();
+}
+
+// Cut query qi's n > k candidates `c` back to its top k (score key, then
+// lower index) into dst, reading the buffer on every pass.
+__device__ void prune_stored(GroupShared& sh, const StoredCandidates& c, uint2* dst, int qi, u32 k) {
+    u32 above, ties;
+    const u32 thr = block_kth_largest_of<u32, 32>(CandidateKeys<StoredCandidates>{c}, k, sh.hist, sh.scratch,
+                                                  sh.found, &above, &ties);
+    const u32 max_tie_idx = max_kept_tie(sh, c, thr, k - above, ties);
+    if (threadIdx.x == 0) sh.next_slot = 0;
+    __syncthreads();
+    c.pairs([&](u32 key, u32 index, bool valid) {
+        const bool keep = valid && (key > thr || (key == thr && index <= max_tie_idx));
+        const u32 slot = warp_append(&sh.next_slot, keep);
+        if (keep) dst[slot] = make_uint2(key_to_bits(key), index);
+    });
+    prune_done(sh, qi, k, thr);
+}
+
+// The same cut for a buffer of at most HELD * THREADS candidates (k up to
+// 2528 at the default buffer of 2k + 64), loaded into registers once, all
+// loads in flight together: thread t holds candidates u * THREADS + t. The
+// passes skip the high bits every key shares (block minimum and maximum),
+// so the first one spreads over the bins. Kept small: a prune's code evicts
+// the tile loop of both CTAs on the SM from the instruction cache.
+constexpr int HELD = 40;
+struct HeldCandidates {
+    u32 key[HELD], idx[HELD];
+    u32 n;
+    __device__ HeldCandidates(const uint2* c, u32 count) : n(count) {
+        #pragma unroll
+        for (int u = 0; u < HELD; ++u) {
+            const u32 i = u * THREADS + threadIdx.x;
+            const uint2 v = i < n ? c[i] : make_uint2(0u, 0u);
+            key[u] = i < n ? score_key(v.x) : 0u;
+            idx[u] = v.y;
+        }
+    }
+    __device__ bool holds(int u) const { return u * THREADS + threadIdx.x < n; }
+    __device__ bool round_empty(int u) const { return u * THREADS >= n; }  // the same in every thread
+    template <typename F>
+    __device__ void keys(F&& f) const {
+        #pragma unroll
+        for (int u = 0; u < HELD && !round_empty(u); ++u) f(key[u], holds(u));
+    }
+};
+
+// Cut the held candidates to the top k; with most > k, to the candidates from
+// the lowest key of a radix bucket up, where a pass of the select finds a
+// bucket that leaves at most `most` (a superset of the top k, for a settle:
+// the selection's last prune is exact).
+__device__ void prune_held(GroupShared& sh, const StoredCandidates& stored, uint2* dst, int qi, u32 k, u32 most) {
+    const HeldCandidates c(stored.c, stored.n);
+    u32 lo = 0xFFFFFFFFu, hi = 0;
+    #pragma unroll
+    for (int u = 0; u < HELD && !c.round_empty(u); ++u)
+        if (c.holds(u)) {
+            lo = min(lo, c.key[u]);
+            hi = max(hi, c.key[u]);
+        }
+    block_min_max(lo, hi, sh.hist, &lo, &hi);  // hist is free between passes
+    const int known = min(lo == hi ? 32 : __clz(lo ^ hi), 32 - DIGIT_BITS);
+    u32 above, ties;
+    int open_bits;
+    const u32 thr = block_kth_largest_of<u32, 32, false>(CandidateKeys<HeldCandidates>{c}, k, sh.hist, sh.scratch,
+                                                         sh.found, &above, &ties, known,
+                                                         known == 0 ? 0u : hi >> (32 - known), most > k ? most : 0,
+                                                         &open_bits);
+    // A bucket cut keeps every key from the bucket's lowest (thr) up.
+    const u32 max_tie_idx = open_bits > 0 ? 0xFFFFFFFFu : max_kept_tie(sh, stored, thr, k - above, ties);
+    u32 kept = 0;
+    #pragma unroll
+    for (int u = 0; u < HELD && !c.round_empty(u); ++u)
+        kept += c.holds(u) && (c.key[u] > thr || (c.key[u] == thr && c.idx[u] <= max_tie_idx));
+    u32 total;
+    u32 slot = block_exclusive_sum(kept, sh.scratch, &total);
+    #pragma unroll
+    for (int u = 0; u < HELD && !c.round_empty(u); ++u)
+        if (c.holds(u) && (c.key[u] > thr || (c.key[u] == thr && c.idx[u] <= max_tie_idx))) {
+            dst[slot++] = make_uint2(key_to_bits(c.key[u]), c.idx[u]);
+        }
+    // A bucket cut leaves fewer than all candidates, so thr > 0 and appends need a key > thr - 1; the
+    // threshold never falls (every candidate is above the old one).
+    if (open_bits > 0)
+        prune_done(sh, qi, total, max(sh.thr[qi], thr - 1));
+    else
+        prune_done(sh, qi, k, thr);
+}
+
+// Cut query qi's candidates back to its top k, or (most > k) to a superset of
+// at most `most` of them where prune_held finds one early. Not inlined: ptxas
+// takes far longer on the kernel with a prune inlined at both callers.
+__device__ __noinline__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k, u32 most) {
+    const StoredCandidates c{buf.pairs + buf.at(sh.flip[qi], qi), sh.count[qi]};
+    uint2* dst = buf.pairs + buf.at(sh.flip[qi] ^ 1, qi);
+    if (c.n <= HELD * THREADS)
+        prune_held(sh, c, dst, qi, k, most);
+    else
+        prune_stored(sh, c, dst, qi, k);
+}
+
+// Sort query qi's kept candidates (at most k) and write its output row.
+__device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32 k, unsigned char* sort_area,
+                                int* out_idx, float* out_scores) {
+    if (sh.count[qi] > k) prune(sh, buf, qi, k, k);
+    const u32 n = sh.count[qi];
+    const uint2* c = buf.pairs + buf.at(sh.flip[qi], qi);
+    u32* keys = reinterpret_cast<u32*>(sort_area);
+    u32* order = keys + SORT_CAP;
+    int n_pad = 1;
+    while (n_pad < (int)n) n_pad <<= 1;
+    for (int j = threadIdx.x; j < n_pad; j += THREADS) {
+        const uint2 v = j < (int)n ? c[j] : make_uint2(0u, 0xFFFFFFFFu);
+        keys[j] = j < (int)n ? score_key(v.x) : 0u;
+        order[j] = v.y;
+    }
+    __syncthreads();
+    block_bitonic_sort<true>(keys, order, n_pad);
+    for (u32 j = threadIdx.x; j < k; j += THREADS) {
+        out_idx[j] = j < n ? (int)order[j] : -1;
+        if (out_scores) out_scores[j] = __uint_as_float(j < n ? key_to_bits(keys[j]) : NEG_INF_BITS);
+    }
+    __syncthreads();
+}
+
+}  // namespace
