@@ -23,30 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from hyscale_core.gpu.memory import pool_peak
+
 from .common import gpu_device, table, time_gpu, write_results
 
 DIM, TOPK = 128, 2048
-
-
-def peak_hook(cp):
-    """A CuPy memory hook tracking the peak of the bytes held from the pool."""
-
-    class Peak(cp.cuda.MemoryHook):
-        name = "IndexerLossBenchPeak"
-
-        def __init__(self):
-            self.held, self.now, self.peak = {}, 0, 0
-
-        def malloc_postprocess(self, **kw):
-            size = kw.get("mem_size", kw.get("rounded_size", 0))
-            self.held[kw["mem_ptr"]] = size
-            self.now += size
-            self.peak = max(self.peak, self.now)
-
-        def free_postprocess(self, **kw):
-            self.now -= self.held.pop(kw["mem_ptr"], 0)
-
-    return Peak()
 
 
 def inputs(cp, n: int, h: int, dtype, seed: int = 0):
@@ -68,8 +49,7 @@ def inputs(cp, n: int, h: int, dtype, seed: int = 0):
 def measure(cp, fn, repeats: int) -> tuple[float, float]:
     """(median ms, peak MiB allocated during one call); the call under the
     memory hook is also the warm-up (kernel compilation) of the timed ones."""
-    hook = peak_hook(cp)
-    with hook:
+    with pool_peak() as hook:
         fn()
         cp.cuda.Device().synchronize()
     return time_gpu(lambda i: fn(), repeats=repeats, warmup=0), hook.peak / 2**20

@@ -11,6 +11,7 @@ import pytest
 import hyscale_core as hs
 from helpers import assert_within_twice_naive, same_bits, to_host
 from hyscale_core._dtypes import bfloat16
+from hyscale_core.gpu.memory import pool_peak
 from hyscale_core.ops.indexer_loss import reference
 from indexer_loss_cases import (
     DIM,
@@ -163,28 +164,6 @@ def test_gpu_fallback_switch_routes_every_call_to_the_primitive_path(monkeypatch
                                    err_msg=name)
 
 
-def _peak_hook():
-    """A CuPy memory hook that tracks the peak of the bytes held from the pool."""
-    import cupy
-
-    class Peak(cupy.cuda.MemoryHook):
-        name = "IndexerLossPeakBytes"
-
-        def __init__(self):
-            self.held, self.now, self.peak = {}, 0, 0
-
-        def malloc_postprocess(self, **kw):
-            size = kw.get("mem_size", kw.get("rounded_size", 0))
-            self.held[kw["mem_ptr"]] = size
-            self.now += size
-            self.peak = max(self.peak, self.now)
-
-        def free_postprocess(self, **kw):
-            self.now -= self.held.pop(kw["mem_ptr"], 0)
-
-    return Peak()
-
-
 @pytest.mark.gpu
 def test_gpu_kernel_memory_stays_within_the_stated_bounds(kernels_only, monkeypatch):
     """Scores allocate their [N, kk] float32 output (and w as float32); the
@@ -198,15 +177,15 @@ def test_gpu_kernel_memory_stays_within_the_stated_bounds(kernels_only, monkeypa
     g = np.random.default_rng(31).standard_normal(indices.shape).astype(np.float32)
     probs = np.random.default_rng(32).random(indices.shape).astype(np.float32)
     q, keys, w, indices, g, probs = on("gpu", q, keys, w, indices, g, probs)
-    with _peak_hook() as hook:
+    with pool_peak() as hook:
         scores = gpu.indexer_scores_at(q, keys, w, indices)
     assert hook.peak <= n * kk * 4 + n * heads * 4 + slack, hook.peak
-    with _peak_hook() as hook:
+    with pool_peak() as hook:
         gpu.indexer_scores_at_backward(q, keys, w, indices, g)
     pairs = (gpu.ROWS_BYTES // (kk * dim * 4)) * kk
     small = q.nbytes + 12 * (keys.shape[0] * dim * 4 + n * heads * 4)  # dq; dk, its error, dw, w, conversions
     assert hook.peak <= gpu.ROWS_BYTES + 128 * pairs + small + slack, hook.peak
-    with _peak_hook() as hook:
+    with pool_peak() as hook:
         gpu.indexer_kl_loss(scores, probs)
     assert hook.peak <= n * kk * 4 + n * 8 + slack, hook.peak
 
