@@ -6,7 +6,7 @@ check of the forward's and backward's outputs between trees.
     python -m benchmarks.run sparse_attention_variants compare A.npz B.npz [...]
 
 ``patch`` rewrites ``TREE/cuda/sparse_attention.cu`` (and ``tiles.cuh``), or
-for the ``dq_`` variants ``TREE/cuda/sparse_attention_bwd.cu``, of a copy of
+for the ``dq_`` variants ``TREE/cuda/sparse_attention_dq.cuh``, of a copy of
 the repository into one of:
 
 - ``evict_last``: the gathers under an L2 evict-last cache policy, the
@@ -96,7 +96,7 @@ def _replace(text: str, old: str, new: str, path: Path) -> str:
 def patch(tree: Path, variant: str) -> None:
     """Rewrite the forward kernel (or, for dq_*, the backward's dq kernel) of
     the repository copy at ``tree`` into ``variant``."""
-    kernel = tree / "cuda" / ("sparse_attention_bwd.cu" if variant.startswith("dq_") else "sparse_attention.cu")
+    kernel = tree / "cuda" / ("sparse_attention_dq.cuh" if variant.startswith("dq_") else "sparse_attention.cu")
     text = kernel.read_text()
     cuts = {"dq_gathers_only": _DQ_PRODUCTS, "dq_products_only": _DQ_GATHERS, "dq_no_images": _DQ_IMAGES}
     if variant in cuts:

@@ -23,7 +23,7 @@ def test_every_variant_rewrites_the_current_kernels(tmp_path, variant):
     """A variant stops with an error when its quoted kernel lines are gone
     (a kernel edit broke it); here each one applies and changes its file."""
     shutil.copytree(ROOT / "cuda", tmp_path / "cuda")
-    kernel = "sparse_attention_bwd.cu" if variant.startswith("dq_") else "sparse_attention.cu"
+    kernel = "sparse_attention_dq.cuh" if variant.startswith("dq_") else "sparse_attention.cu"
     before = (tmp_path / "cuda" / kernel).read_text()
     sparse_attention_variants.patch(tmp_path, variant)
     assert (tmp_path / "cuda" / kernel).read_text() != before
@@ -31,7 +31,7 @@ def test_every_variant_rewrites_the_current_kernels(tmp_path, variant):
 
 def test_a_missing_quote_stops_the_patch(tmp_path):
     shutil.copytree(ROOT / "cuda", tmp_path / "cuda")
-    path = tmp_path / "cuda" / "sparse_attention_bwd.cu"
+    path = tmp_path / "cuda" / "sparse_attention_dq.cuh"
     path.write_text(path.read_text().replace("add_ds_kv(acc, rope, ds_tile, kv_tile, ln);", "add_ds_kv();"))
     with pytest.raises(SystemExit, match="the code this variant rewrites is not there"):
         sparse_attention_variants.patch(tmp_path, "dq_gathers_only")
