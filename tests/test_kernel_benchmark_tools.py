@@ -1,8 +1,8 @@
 """The kernel benchmarks' CPU-side tools: the A/B variants still find the
 kernel code they rewrite, ncu_regions splits a source view where the
 warps synchronise, the slot orders of sparse_attention_order keep each
-row's keys (with torch only), and ab_runs alternates trees and merges their
-rows."""
+row's keys (with torch only), ab_runs alternates trees and merges their
+rows, and ab_trees copies commits for it."""
 from __future__ import annotations
 
 import json
@@ -123,3 +123,37 @@ def test_indexer_quick_rows_carry_each_timed_call():
     assert [(r["impl"], r["median_ms"]) for r in rows] == [
         ("scores alone", 3.5), ("indexer_topk k=256", 4.0), ("indexer_topk k=2048", 5.25)]
     assert rows[2]["reselected_rows"] == 2 and rows[2]["config"] == {"n": 4096, "heads": 64, "guess_beta": 1.75}
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not on PATH")
+def test_ab_trees_copy_commits_without_results_and_git_ignores_them(tmp_path, capsys):
+    import subprocess
+
+    from benchmarks import ab_trees
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "run.py").write_text("first\n")
+    (tmp_path / "benchmarks" / "results" / "big.json").write_text("{}\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    git("branch", "feature/x")
+    (tmp_path / "benchmarks" / "run.py").write_text("second\n")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
+    first, second = git("rev-parse", "--short", "feature/x"), git("rev-parse", "--short", "HEAD")
+
+    ab_trees.main(["--repo", str(tmp_path), "feature/x", "HEAD"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["carry: ab_feature-x ab_HEAD",
+                     f"--tree feature-x=ab_feature-x@{first} --tree HEAD=ab_HEAD@{second}"]
+    assert (tmp_path / "ab_feature-x" / "benchmarks" / "run.py").read_text() == "first\n"
+    assert (tmp_path / "ab_HEAD" / "benchmarks" / "run.py").read_text() == "second\n"
+    assert list((tmp_path / "ab_HEAD" / "benchmarks" / "results").iterdir()) == []
+    assert git("status", "--porcelain") == ""  # the copies are ignored
+
+    ab_trees.main(["--repo", str(tmp_path), "--remove", "feature/x", "HEAD"])
+    assert not (tmp_path / "ab_feature-x").exists() and not (tmp_path / "ab_HEAD").exists()
