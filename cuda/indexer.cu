@@ -95,6 +95,7 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
     float* w_s = reinterpret_cast<float*>(smem + Q_BYTES + STAGES * K_BYTES);
     buf.cta_base = blockIdx.x * 2 * TQ * (u32)buf.cap;
     const u32 k = (u32)topk;
+    const SortArea sort_area{reinterpret_cast<u32*>(smem)};  // the query tile and key stages, after a stream
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         const int t0 = sh.group * TQ;
         const OwnedRanges range(sh);
@@ -165,7 +166,7 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
             // Fewer than k candidates after a guess: the threshold was too high.
             if (threadIdx.x == 0 && sh.guess[qi] == GUESS_MADE && sh.count[qi] < k)
                 guess.failed_rows[atomicAdd(guess.failed_count, 1)] = t0 + qi;
-            write_selection(sh, buf, qi, k, k_tiles, out_idx + (size_t)(t0 + qi) * topk,
+            write_selection(sh, buf, qi, k, sort_area, out_idx + (size_t)(t0 + qi) * topk,
                             out_scores ? out_scores + (size_t)(t0 + qi) * topk : nullptr);
         }
     }

@@ -189,26 +189,80 @@ __device__ __noinline__ void prune(GroupShared& sh, const Buffers& buf, int qi, 
         prune_stored(sh, c, dst, qi, k);
 }
 
-// Sort query qi's kept candidates (at most k) and write its output row.
-__device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32 k, unsigned char* sort_area,
+// The final sort's arrays in the query tile and key stages, free once the
+// stream is done (`area`, their start): two (score key, index) array pairs
+// of SORT_CAP picks and their ranks.
+struct SortArea {
+    u32* words;
+    __device__ u32* key(int pair) const { return words + 2 * SORT_CAP * pair; }
+    __device__ u32* idx(int pair) const { return words + 2 * SORT_CAP * pair + SORT_CAP; }
+    __device__ u32* ranks() const { return words + 4 * SORT_CAP; }
+};
+
+// The spread of the picks' keys and indices (block-wide).
+struct PickRange {
+    u32 key_lo = 0xFFFFFFFFu, key_hi = 0, idx_lo = 0xFFFFFFFFu, idx_hi = 0;
+};
+
+// Load the n pairs `c` into a.key(0) / a.idx(0) and pad them to n_pad, a
+// multiple of THREADS, with picks that sort last: the lowest key and an
+// index whose sort digits (those of ~(index - idx_lo)) are all zero.
+__device__ PickRange load_picks(GroupShared& sh, const SortArea& a, const uint2* c, u32 n, u32 n_pad) {
+    PickRange r;
+    #pragma unroll 1
+    for (u32 j = threadIdx.x; j < n; j += THREADS) {
+        const uint2 v = c[j];
+        const u32 key = score_key(v.x);
+        a.key(0)[j] = key;
+        a.idx(0)[j] = v.y;
+        r.key_lo = min(r.key_lo, key);
+        r.key_hi = max(r.key_hi, key);
+        r.idx_lo = min(r.idx_lo, v.y);
+        r.idx_hi = max(r.idx_hi, v.y);
+    }
+    block_min_max(r.key_lo, r.key_hi, sh.hist, &r.key_lo, &r.key_hi);
+    block_min_max(r.idx_lo, r.idx_hi, sh.hist, &r.idx_lo, &r.idx_hi);
+    #pragma unroll 1
+    for (u32 j = n + threadIdx.x; j < n_pad; j += THREADS) {
+        a.key(0)[j] = r.key_lo;
+        a.idx(0)[j] = r.idx_lo - 1u;
+    }
+    __syncthreads();
+    return r;
+}
+
+// Sort the n loaded picks, key descending then index ascending; returns
+// which array pair holds them. Keys alone first: only where two picks share
+// a key does it sort again by index and key (stable LSD passes, so the
+// first order does not matter then).
+__device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r, u32 n, u32 n_pad) {
+    int at = 0;
+    #pragma unroll 1
+    for (int by_index = 0; by_index < 2 && n > 1; ++by_index) {
+        at ^= block_radix_sort_desc_looped<THREADS / 32>(a.key(at), a.idx(at), a.key(at ^ 1), a.idx(at ^ 1), a.ranks(),
+                                                          (int)n_pad, by_index ? bytes_of(r.idx_hi - r.idx_lo) : 0,
+                                                          bytes_of(r.key_hi - r.key_lo), r.key_lo, r.idx_lo,
+                                                          reinterpret_cast<u16*>(sh.hist), sh.scratch);
+        bool tie = false;
+        #pragma unroll 1
+        for (u32 j = threadIdx.x; j + 1 < n && !by_index; j += THREADS) tie |= a.key(at)[j] == a.key(at)[j + 1];
+        if (!__syncthreads_or(tie)) break;
+    }
+    return at;
+}
+
+// Cut query qi's candidates to its top k, sort them and write its output row.
+__device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32 k, const SortArea& area,
                                 int* out_idx, float* out_scores) {
     if (sh.count[qi] > k) prune(sh, buf, qi, k, k);
     const u32 n = sh.count[qi];
-    const uint2* c = buf.pairs + buf.at(sh.flip[qi], qi);
-    u32* keys = reinterpret_cast<u32*>(sort_area);
-    u32* order = keys + SORT_CAP;
-    int n_pad = 1;
-    while (n_pad < (int)n) n_pad <<= 1;
-    for (int j = threadIdx.x; j < n_pad; j += THREADS) {
-        const uint2 v = j < (int)n ? c[j] : make_uint2(0u, 0xFFFFFFFFu);
-        keys[j] = j < (int)n ? score_key(v.x) : 0u;
-        order[j] = v.y;
-    }
-    __syncthreads();
-    block_bitonic_sort<true>(keys, order, n_pad);
+    const u32 n_pad = max((n + THREADS - 1) / THREADS, 1u) * THREADS;
+    const PickRange range = load_picks(sh, area, buf.pairs + buf.at(sh.flip[qi], qi), n, n_pad);
+    const int at = sort_picks(sh, area, range, n, n_pad);
+    #pragma unroll 1
     for (u32 j = threadIdx.x; j < k; j += THREADS) {
-        out_idx[j] = j < n ? (int)order[j] : -1;
-        if (out_scores) out_scores[j] = __uint_as_float(j < n ? key_to_bits(keys[j]) : NEG_INF_BITS);
+        out_idx[j] = j < n ? (int)area.idx(at)[j] : -1;
+        if (out_scores) out_scores[j] = __uint_as_float(j < n ? key_to_bits(area.key(at)[j]) : NEG_INF_BITS);
     }
     __syncthreads();
 }

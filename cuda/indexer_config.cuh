@@ -35,7 +35,11 @@ constexpr int OWNED = (TQ + 3) / 4;      // queries per quad lane: lane quad own
 constexpr int THREADS = 128;
 constexpr int Q_BYTES = QROWS * D * 2;
 constexpr int K_BYTES = KT * D * 2;
-constexpr int SORT_CAP = STAGES * K_BYTES / 8;  // (key, index) pairs the final sort holds
+// Picks the final sort holds (ops/indexer/gpu.py sends a larger k elsewhere):
+// 20 bytes each (two (key, index) arrays and a rank) in the query tile and
+// the key stages.
+constexpr int SORT_CAP = STAGES * K_BYTES / 8;
+static_assert(SORT_CAP % THREADS == 0 && 20 * SORT_CAP <= Q_BYTES + STAGES * K_BYTES, "sort area");
 static_assert(H >= 8 && QROWS % H == 0 && TQ <= 32, "heads must divide 256, at least 8");
 static_assert(D % 64 == 0 && D <= 256, "head dim must be a multiple of 64");
 

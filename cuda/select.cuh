@@ -1,5 +1,5 @@
 // Device pieces shared by the selection kernels: block-wide scans,
-// shared-memory histograms, a radix select and bitonic sorts (their
+// shared-memory histograms, a radix select and radix sorts (their
 // order-preserving keys: topk_keys.cuh).
 //
 // Every function named block_* must be called by all threads of the block
@@ -245,91 +245,92 @@ __device__ K block_kth_largest(KeyFn key_of, MemberFn member, u32 n, u32 rank, u
                                           scratch, found, above, equal);
 }
 
-// In-place bitonic sort of n (a power of two) (key, idx) pairs in shared
-// memory. BY_KEY: key descending, then idx ascending; else idx ascending.
-template <bool BY_KEY, typename K>
-__device__ void block_bitonic_sort(K* keys, u32* idx, int n) {
-    for (int size = 2; size <= n; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int t = threadIdx.x; t < (n >> 1); t += blockDim.x) {
-                const int i = ((t & ~(stride - 1)) << 1) | (t & (stride - 1));
-                const int j = i + stride;
-                const K ki = keys[i], kj = keys[j];
-                const u32 ii = idx[i], ij = idx[j];
-                const bool j_first = BY_KEY ? (kj > ki || (kj == ki && ij < ii)) : (ij < ii);
-                if (j_first == ((i & size) == 0)) {
-                    keys[i] = kj;
-                    keys[j] = ki;
-                    idx[i] = ij;
-                    idx[j] = ii;
-                }
-            }
-            __syncthreads();
-        }
-    }
+// LSD radix sort, descending, of (key, idx) pairs in shared memory with
+// 8-bit digits, stable: the number sorted is the low 8 * key_passes bits of
+// key - key_base over the low 8 * idx_passes bits of ~(idx - idx_base), so
+// key descending then index ascending, or (key_passes = 0) index ascending.
+// The caller picks bases and pass counts that cover the pairs' spread. Each
+// pass ranks every pair stably inside its warp (warp_digit_rank), turns the
+// per-warp digit counts (`counts`: blockDim.x / 32 * 256 u16 of shared
+// memory) into output slots (block_digit_offsets) and scatters from one pair
+// of arrays (key, idx) to the other (key2, idx2). Warp w ranks the
+// positions of its own contiguous segment in ascending order.
+
+// The digit of pair p in a pass over the index (by_idx) or the key, at bit `shift`.
+template <typename K>
+__device__ __forceinline__ u32 sort_digit(const K* key, const u32* idx, int p, bool by_idx, int shift, K key_base,
+                                          u32 idx_base) {
+    return by_idx ? (~(idx[p] - idx_base) >> shift) & 255u : (u32)((key[p] - key_base) >> shift) & 255u;
 }
 
-// Stable sort, descending, of n (key, idx) pairs in shared memory (n a
-// power of two, 32 * E <= n <= E * blockDim.x), as one number made of the
-// low 8 * key_passes bits of key - key_base over the low 8 * idx_passes bits
-// of ~(idx - idx_base): key descending then index ascending, or
-// (key_passes = 0) index ascending. The caller picks bases and pass counts
-// that cover the pairs' spread. LSD radix sort with 8-bit digits: each pass
-// ranks every pair stably inside its warp (ballots on the digit's bits),
-// scans the per-warp digit counts (`counts`: blockDim.x / 32 * 256 u16 of
-// shared memory) and scatters from one pair of arrays (key, idx) to the
-// other (key2, idx2).
-// Thread t of warp w ranks positions w*32*E + e*32 + lane. Returns whether
-// the result is in key2/idx2. All threads call this.
+// digit << 16 | the lane's rank among the warp's pairs of digit d so far
+// (`mine[d]`, this warp's count, plus the lower lanes with the same digit);
+// then mine[d] counts this call's lanes too. All 32 lanes must call this.
+__device__ __forceinline__ u32 warp_digit_rank(u32 d, u16* mine) {
+    const u32 lower = (1u << lane_id()) - 1u;
+    u32 peers = FULL_MASK;
+    #pragma unroll
+    for (int b = 0; b < 8; ++b) {
+        const u32 ones = __ballot_sync(FULL_MASK, (d >> b) & 1u);
+        peers &= ((d >> b) & 1u) ? ones : ~ones;
+    }
+    const u32 rank = d << 16 | (mine[d] + __popc(peers & lower));
+    __syncwarp();
+    if ((peers & lower) == 0) mine[d] += (u16)__popc(peers);
+    __syncwarp();
+    return rank;
+}
+
+// Each (warp, digit) count becomes the first output slot of that warp's
+// pairs of that digit, in (digit descending, warp ascending) order; WARPS,
+// where given, is the block's warp count. Call after a barrier that follows
+// the counts; ends with a barrier.
+template <int WARPS = 0>
+__device__ __forceinline__ void block_digit_offsets(u16* counts, u32* scratch) {
+    const int n_warps = WARPS > 0 ? WARPS : (int)(blockDim.x >> 5);
+    const int per = WARPS > 0 ? 8 : (256 * n_warps) / blockDim.x;  // 256 digits over 32 lanes a warp
+    const int first = threadIdx.x * per;
+    u32 sum = 0;
+    for (int j = first; j < first + per; ++j) sum += counts[(j % n_warps) * 256 + 255 - j / n_warps];
+    u32 total;
+    u32 run = block_exclusive_sum(sum, scratch, &total);
+    for (int j = first; j < first + per; ++j) {
+        u16& c = counts[(j % n_warps) * 256 + 255 - j / n_warps];
+        const u32 here = c;
+        c = (u16)run;
+        run += here;
+    }
+    __syncthreads();
+}
+
+// The sort with E pairs per thread ranked in registers: n a power of two,
+// 32 * E <= n <= E * blockDim.x; thread t of warp w ranks positions
+// w * 32 * E + e * 32 + lane. Returns whether the result is in key2/idx2.
+// All threads call this.
 template <int E, typename K>
 __device__ bool block_radix_sort_desc(K* key, u32* idx, K* key2, u32* idx2, int n, int idx_passes, int key_passes,
                                       K key_base, u32 idx_base, u16* counts, u32* scratch) {
     const int w = warp_id(), lane = lane_id();
-    const int n_warps = blockDim.x >> 5;
     const bool active = w * 32 * E < n;  // whole warps
-    const u32 lower = (1u << lane) - 1u;
     u16* mine = counts + w * 256;
     bool flipped = false;
     for (int pass = 0; pass < idx_passes + key_passes; ++pass) {
         K* src_key = flipped ? key2 : key;
         u32* src_idx = flipped ? idx2 : idx;
-        const int shift = 8 * (pass < idx_passes ? pass : pass - idx_passes);
+        const bool by_idx = pass < idx_passes;
+        const int shift = 8 * (by_idx ? pass : pass - idx_passes);
         for (int d = lane; d < 256; d += 32) mine[d] = 0;
         __syncwarp();
         u32 rank[E];  // digit << 16 | rank among this warp's pairs of that digit
         if (active) {
             #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const int p = w * 32 * E + e * 32 + lane;
-                const u32 d = pass < idx_passes ? (~(src_idx[p] - idx_base) >> shift) & 255u
-                                                : (u32)((src_key[p] - key_base) >> shift) & 255u;
-                u32 peers = FULL_MASK;
-                #pragma unroll
-                for (int b = 0; b < 8; ++b) {
-                    const u32 ones = __ballot_sync(FULL_MASK, (d >> b) & 1u);
-                    peers &= ((d >> b) & 1u) ? ones : ~ones;
-                }
-                rank[e] = d << 16 | (mine[d] + __popc(peers & lower));
-                __syncwarp();
-                if ((peers & lower) == 0) mine[d] += (u16)__popc(peers);
-                __syncwarp();
-            }
+            for (int e = 0; e < E; ++e)
+                rank[e] = warp_digit_rank(
+                    sort_digit(src_key, src_idx, w * 32 * E + e * 32 + lane, by_idx, shift, key_base, idx_base),
+                    mine);
         }
         __syncthreads();
-        // Exclusive offsets in (digit descending, warp ascending) order.
-        const int per = (256 * n_warps) / blockDim.x;
-        const int first = threadIdx.x * per;
-        u32 sum = 0;
-        for (int j = first; j < first + per; ++j) sum += counts[(j % n_warps) * 256 + 255 - j / n_warps];
-        u32 total;
-        u32 run = block_exclusive_sum(sum, scratch, &total);
-        for (int j = first; j < first + per; ++j) {
-            u16& c = counts[(j % n_warps) * 256 + 255 - j / n_warps];
-            const u32 here = c;
-            c = (u16)run;
-            run += here;
-        }
-        __syncthreads();
+        block_digit_offsets(counts, scratch);
         K* dst_key = flipped ? key : key2;
         u32* dst_idx = flipped ? idx : idx2;
         if (active) {
@@ -340,6 +341,48 @@ __device__ bool block_radix_sort_desc(K* key, u32* idx, K* key2, u32* idx2, int 
                 dst_key[at] = src_key[p];
                 dst_idx[at] = src_idx[p];
             }
+        }
+        __syncthreads();
+        flipped = !flipped;
+    }
+    return flipped;
+}
+
+// The same sort in a block of WARPS warps for any n that is a multiple of
+// 32 * WARPS (at most 65536), its ranks kept in shared memory (`ranks`: n
+// words) instead of registers: loops, compact code for a kernel whose
+// instruction cache is precious. Warp w ranks positions [w n / WARPS,
+// (w + 1) n / WARPS). Returns whether the result is in key2/idx2. All
+// threads call this.
+template <int WARPS, typename K>
+__device__ bool block_radix_sort_desc_looped(K* key, u32* idx, K* key2, u32* idx2, u32* ranks, int n,
+                                             int idx_passes, int key_passes, K key_base, u32 idx_base,
+                                             u16* counts, u32* scratch) {
+    const int w = warp_id(), lane = lane_id();
+    const int per_warp = n / WARPS;
+    const int begin = w * per_warp + lane, end = (w + 1) * per_warp;
+    u16* mine = counts + w * 256;
+    bool flipped = false;
+    #pragma unroll 1
+    for (int pass = 0; pass < idx_passes + key_passes; ++pass) {
+        K* src_key = flipped ? key2 : key;
+        u32* src_idx = flipped ? idx2 : idx;
+        const bool by_idx = pass < idx_passes;
+        const int shift = 8 * (by_idx ? pass : pass - idx_passes);
+        for (int d = lane; d < 256; d += 32) mine[d] = 0;
+        __syncwarp();
+        #pragma unroll 1
+        for (int p = begin; p < end; p += 32)
+            ranks[p] = warp_digit_rank(sort_digit(src_key, src_idx, p, by_idx, shift, key_base, idx_base), mine);
+        __syncthreads();
+        block_digit_offsets<WARPS>(counts, scratch);
+        K* dst_key = flipped ? key : key2;
+        u32* dst_idx = flipped ? idx : idx2;
+        #pragma unroll 1
+        for (int p = begin; p < end; p += 32) {
+            const u32 at = mine[ranks[p] >> 16] + (ranks[p] & 0xFFFFu);
+            dst_key[at] = src_key[p];
+            dst_idx[at] = src_idx[p];
         }
         __syncthreads();
         flipped = !flipped;
