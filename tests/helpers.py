@@ -126,6 +126,17 @@ def assert_within_twice_naive(name, ours, naive, ref, mask=None):
     assert err <= 2 * naive_err + floor, f"{name}: error {err:.3g} vs naive {naive_err:.3g}"
 
 
+# (heads, k) of the accuracy grids of the sparse-attention and indexer-loss tests.
+HEADS_K_GRID = [pytest.param(h, k, id=f"h{h}-k{k}") for h in (1, 16, 64, 128) for k in (1, 7, 2048)]
+
+
+def grid_sizes(heads: int, k: int, head_rows: int) -> tuple[int, int]:
+    """(queries, keys) of a grid point: enough queries for a stable max error
+    (about head_rows query-head rows at k > 64); few keys when k is small, so
+    keys are shared by many queries and duplicated inside rows."""
+    return (max(2, head_rows // heads), 3000) if k > 64 else (max(8, 256 // heads), 9)
+
+
 def finite_difference(f, x, eps=1e-6):
     """Central differences of the scalar f at every entry of x (float64)."""
     grad = np.zeros_like(x)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import assert_within_twice_naive, rounding, to_host
+from helpers import HEADS_K_GRID, assert_within_twice_naive, grid_sizes, rounding, to_host
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.indexer_loss import reference
 from hyscale_core.ops.sparse_attention.reference import scatter_add
@@ -112,15 +112,13 @@ def check_scores_backward(backend, q, keys, w, indices, seed=0):
         assert_within_twice_naive(name, ours, n_grad, r_grad)
 
 
-SHAPES = [pytest.param(h, k, id=f"h{h}-k{k}") for h in (1, 16, 64, 128) for k in (1, 7, 2048)]
+SHAPES = HEADS_K_GRID
 
 
 def grid_inputs(heads, k, dtype=np.float32, seed=0):
-    """Enough queries for a stable max error; few keys when k is small, so
-    keys are shared by many queries and duplicated inside rows."""
-    rng = np.random.default_rng(seed)
-    n, n_keys = (max(2, 64 // heads), 3000) if k > 64 else (max(8, 256 // heads), 9)
-    return make_inputs(rng, n, heads, k, n_keys, dtype=dtype)
+    """Inputs at a grid point (helpers.grid_sizes)."""
+    n, n_keys = grid_sizes(heads, k, 64)
+    return make_inputs(np.random.default_rng(seed), n, heads, k, n_keys, dtype=dtype)
 
 
 def make_loss_inputs(rng, n, k, dtype=np.float32, skip=0.2):

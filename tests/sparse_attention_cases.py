@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import assert_within_twice_naive, rounding, to_host
+from helpers import HEADS_K_GRID, assert_within_twice_naive, grid_sizes, rounding, to_host
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.sparse_attention import reference
 
@@ -153,12 +153,10 @@ def check_backward(backend, q, kv, indices, d_v=D_V, scale=None, seed=0, precise
         assert_within_twice_naive(name, ours, n_grad, r_grad)
 
 
-SHAPES = [pytest.param(h, k, id=f"h{h}-k{k}") for h in (1, 16, 64, 128) for k in (1, 7, 2048)]
+SHAPES = HEADS_K_GRID
 
 
 def grid_inputs(h, k, dtype=np.float32, seed=0):
-    """Enough queries for a stable max error; few keys when k is small, so
-    keys are shared by many queries and duplicated inside rows."""
-    rng = np.random.default_rng(seed)
-    n, n_kv = (max(2, 32 // h), 3000) if k > 64 else (max(8, 256 // h), 9)
-    return make_inputs(rng, n, h, k, n_kv, dtype=dtype)
+    """Inputs at a grid point (helpers.grid_sizes)."""
+    n, n_kv = grid_sizes(h, k, 32)
+    return make_inputs(np.random.default_rng(seed), n, h, k, n_kv, dtype=dtype)
