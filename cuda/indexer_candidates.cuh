@@ -234,7 +234,9 @@ __device__ PickRange load_picks(GroupShared& sh, const SortArea& a, const uint2*
 // Sort the n loaded picks, key descending then index ascending; returns
 // which array pair holds them. Keys alone first: only where two picks share
 // a key does it sort again by index and key (stable LSD passes, so the
-// first order does not matter then).
+// first order does not matter then). Both rounds go through one call site,
+// so the sort is inlined once (two calls made the tail 1138 -> 1599 SASS
+// instructions).
 __device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r, u32 n, u32 n_pad) {
     int at = 0;
     #pragma unroll 1
