@@ -126,6 +126,22 @@ def assert_within_twice_naive(name, ours, naive, ref, mask=None):
     assert err <= 2 * naive_err + floor, f"{name}: error {err:.3g} vs naive {naive_err:.3g}"
 
 
+def on(backend: str, *arrays):
+    """``arrays`` on ``backend``: as they are for "cpu", as CuPy arrays for "gpu"."""
+    if backend == "gpu":
+        import cupy
+
+        return tuple(cupy.asarray(a) for a in arrays)
+    return arrays
+
+
+def naive_dtype(*arrays):
+    """The precision a naive computation on ``arrays`` runs in: the coarsest of their dtypes."""
+    import ml_dtypes
+
+    return max((np.dtype(a.dtype) for a in arrays), key=lambda d: float(ml_dtypes.finfo(d).eps))
+
+
 # (heads, k) of the accuracy grids of the sparse-attention and indexer-loss tests.
 HEADS_K_GRID = [pytest.param(h, k, id=f"h{h}-k{k}") for h in (1, 16, 64, 128) for k in (1, 7, 2048)]
 

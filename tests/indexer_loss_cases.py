@@ -1,12 +1,11 @@
 """Inputs, naive and float64 references, and the accuracy checks shared by the indexer-loss tests."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import HEADS_K_GRID, assert_within_twice_naive, grid_sizes, rounding, to_host
+from helpers import HEADS_K_GRID, assert_within_twice_naive, grid_sizes, naive_dtype, on, rounding, to_host
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.indexer_loss import reference
 from hyscale_core.ops.sparse_attention.reference import scatter_add
@@ -18,14 +17,6 @@ DIM = 128
 ROWS = 8  # references and naive versions go over this many queries at a time (memory)
 
 
-def on(backend, *arrays):
-    if backend == "gpu":
-        import cupy
-
-        return tuple(cupy.asarray(a) for a in arrays)
-    return arrays
-
-
 def make_inputs(rng, n, heads, k, n_keys, dim=DIM, dtype=np.float32, skip=0.2):
     """q, k, w and an int32 selection with -1 slots (fraction ``skip``) and duplicates."""
     q = rng.standard_normal((n, heads, dim)).astype(dtype)
@@ -34,10 +25,6 @@ def make_inputs(rng, n, heads, k, n_keys, dim=DIM, dtype=np.float32, skip=0.2):
     indices = rng.integers(0, n_keys, size=(n, k)).astype(np.int32)
     indices[rng.random((n, k)) < skip] = -1
     return q, keys, w, indices
-
-
-def naive_dtype(*arrays):
-    return max((np.dtype(a.dtype) for a in arrays), key=lambda d: float(ml_dtypes.finfo(d).eps))
 
 
 def _naive_parts(q, keys, w, indices, dtype):

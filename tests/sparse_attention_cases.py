@@ -1,12 +1,11 @@
 """Inputs, naive and float64 references, and the accuracy checks shared by the sparse-attention tests."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import HEADS_K_GRID, assert_within_twice_naive, grid_sizes, rounding, to_host
+from helpers import HEADS_K_GRID, assert_within_twice_naive, grid_sizes, naive_dtype, on, rounding, to_host
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.sparse_attention import reference
 
@@ -16,14 +15,6 @@ DTYPES = [pytest.param(np.dtype(d), id=np.dtype(d).name) for d in (np.float16, b
 D_QK, D_V = 576, 512
 
 
-def on(backend, *arrays):
-    if backend == "gpu":
-        import cupy
-
-        return tuple(cupy.asarray(a) for a in arrays)
-    return arrays
-
-
 def make_inputs(rng, n, h, k, n_kv, d_qk=D_QK, dtype=np.float32, skip=0.2):
     """q, kv and an int32 selection with -1 slots (fraction ``skip``) and duplicates."""
     q = rng.standard_normal((n, h, d_qk)).astype(dtype)
@@ -31,11 +22,6 @@ def make_inputs(rng, n, h, k, n_kv, d_qk=D_QK, dtype=np.float32, skip=0.2):
     indices = rng.integers(0, n_kv, size=(n, k)).astype(np.int32)
     indices[rng.random((n, k)) < skip] = -1
     return q, kv, indices
-
-
-def naive_dtype(q, kv):
-    """The precision a naive computation on q and kv runs in: the coarser one."""
-    return max((np.dtype(q.dtype), np.dtype(kv.dtype)), key=lambda d: float(ml_dtypes.finfo(d).eps))
 
 
 def _naive_logits(q, kv, indices, scale, dtype):

@@ -7,20 +7,12 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import same_bits, selection_agrees_up_to_tolerance, to_host
+from helpers import on, same_bits, selection_agrees_up_to_tolerance, to_host
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.indexer import reference
 from hyscale_core.ops.indexer.ranges import candidate_ranges
 
 BACKENDS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
-
-
-def on(backend, *arrays):
-    if backend == "gpu":
-        import cupy
-
-        return tuple(cupy.asarray(a) for a in arrays)
-    return arrays
 
 
 def make_inputs(rng, n_q, n_k, heads=4, dim=16, dtype=np.float32, repeat_keys=False):

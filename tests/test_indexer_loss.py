@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import assert_within_twice_naive, finite_difference, same_bits, to_host
+from helpers import assert_within_twice_naive, finite_difference, on, same_bits, to_host
 from hyscale_core.ops.indexer_loss import reference
 from hyscale_core.ops.sparse_attention import keymajor
 from indexer_loss_cases import (
@@ -25,7 +25,6 @@ from indexer_loss_cases import (
     make_inputs,
     make_loss_inputs,
     naive_kl,
-    on,
 )
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import assert_within_twice_naive, same_bits, to_host
+from helpers import assert_within_twice_naive, on, same_bits, to_host
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.gpu.memory import pool_peak
 from hyscale_core.ops.indexer_loss import reference
@@ -20,7 +20,6 @@ from indexer_loss_cases import (
     make_inputs,
     make_loss_inputs,
     naive_kl,
-    on,
 )
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import finite_difference, same_bits, to_host
+from helpers import finite_difference, on, same_bits, to_host
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.sparse_attention import keymajor, reference
 from sparse_attention_cases import (
@@ -26,7 +26,6 @@ from sparse_attention_cases import (
     check_forward,
     grid_inputs,
     make_inputs,
-    on,
 )
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import same_bits, to_host
+from helpers import on, same_bits, to_host
 from hyscale_core._dtypes import bfloat16
 from sparse_attention_cases import (
     D_QK,
@@ -19,7 +19,6 @@ from sparse_attention_cases import (
     check_forward,
     grid_inputs,
     make_inputs,
-    on,
 )
 
 
