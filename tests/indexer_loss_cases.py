@@ -5,7 +5,16 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import HEADS_K_GRID, assert_within_twice_naive, grid_sizes, naive_dtype, on, rounding, to_host
+from helpers import (
+    HEADS_K_GRID,
+    assert_within_twice_naive,
+    grid_sizes,
+    naive_dtype,
+    on,
+    ordered_matmul,
+    rounding,
+    to_host,
+)
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.indexer_loss import reference
 from hyscale_core.ops.sparse_attention.reference import scatter_add
@@ -28,11 +37,12 @@ def make_inputs(rng, n, heads, k, n_keys, dim=DIM, dtype=np.float32, skip=0.2):
 
 
 def _naive_parts(q, keys, w, indices, dtype):
-    """``(valid, gathered keys, logits, weights)`` computed plainly in ``dtype``."""
+    """``(valid, gathered keys, logits, weights)`` computed plainly in ``dtype``
+    (every sum in ascending order: ``helpers.ordered_matmul``)."""
     wide, r = rounding(dtype)
     valid = indices >= 0
     sel = keys.astype(wide)[np.where(valid, indices, 0)]
-    logits = r(q.astype(wide) @ sel.transpose(0, 2, 1))
+    logits = r(ordered_matmul(q.astype(wide), sel.transpose(0, 2, 1)))
     return valid, sel, logits, w.astype(wide)
 
 
@@ -43,7 +53,7 @@ def naive_scores(q, keys, w, indices):
     for t in range(0, q.shape[0], ROWS):
         rows = slice(t, t + ROWS)
         valid, _, logits, w_ = _naive_parts(q[rows], keys, w[rows], indices[rows], dtype)
-        scores = r(np.einsum("th,thi->ti", w_, r(np.maximum(logits, 0))))
+        scores = r(ordered_matmul(w_[:, None, :], r(np.maximum(logits, 0)))[:, 0])
         out.append(np.where(valid, scores, -np.inf))
     return np.concatenate(out).astype(np.float32)
 
@@ -56,10 +66,10 @@ def naive_scores_backward(q, keys, w, indices, dscores):
         rows = slice(t, t + ROWS)
         valid, sel, logits, w_ = _naive_parts(q[rows], keys, w[rows], indices[rows], dtype)
         g = np.where(valid, dscores[rows].astype(wide), 0)
-        dw.append(r(np.einsum("ti,thi->th", g, r(np.maximum(logits, 0)))))
+        dw.append(r(ordered_matmul(r(np.maximum(logits, 0)), g[:, :, None])[..., 0]))
         coef = r(g[:, None, :] * w_[:, :, None]) * (logits > 0)
-        dq.append(r(coef @ sel))
-        dsel = r(coef.transpose(0, 2, 1) @ q[rows].astype(wide))
+        dq.append(r(ordered_matmul(coef, sel)))
+        dsel = r(ordered_matmul(coef.transpose(0, 2, 1), q[rows].astype(wide)))
         dk += scatter_add(indices[rows], dsel, keys.shape[0])
     return (np.concatenate(dq).astype(q.dtype), r(dk).astype(keys.dtype), np.concatenate(dw).astype(w.dtype))
 
