@@ -206,19 +206,28 @@ struct PickRange {
 
 // Load the n pairs `c` into a.key(0) / a.idx(0) and pad them to n_pad, a
 // multiple of THREADS, with picks that sort last: the lowest key and an
-// index whose sort digits (those of ~(index - idx_lo)) are all zero.
+// index whose sort digits (those of ~(index - idx_lo)) are all zero. The
+// pairs come from global memory, PRUNE_U per thread per round, all loads of
+// a round in flight together.
 __device__ PickRange load_picks(GroupShared& sh, const SortArea& a, const uint2* c, u32 n, u32 n_pad) {
     PickRange r;
     #pragma unroll 1
-    for (u32 j = threadIdx.x; j < n; j += THREADS) {
-        const uint2 v = c[j];
-        const u32 key = score_key(v.x);
-        a.key(0)[j] = key;
-        a.idx(0)[j] = v.y;
-        r.key_lo = min(r.key_lo, key);
-        r.key_hi = max(r.key_hi, key);
-        r.idx_lo = min(r.idx_lo, v.y);
-        r.idx_hi = max(r.idx_hi, v.y);
+    for (u32 base = 0; base < n; base += PRUNE_U * THREADS) {
+        uint2 v[PRUNE_U];
+        #pragma unroll
+        for (int u = 0; u < PRUNE_U; ++u) v[u] = c[min(base + u * THREADS + threadIdx.x, n - 1)];
+        #pragma unroll
+        for (int u = 0; u < PRUNE_U; ++u) {
+            const u32 j = base + u * THREADS + threadIdx.x;
+            if (j >= n) break;
+            const u32 key = score_key(v[u].x);
+            a.key(0)[j] = key;
+            a.idx(0)[j] = v[u].y;
+            r.key_lo = min(r.key_lo, key);
+            r.key_hi = max(r.key_hi, key);
+            r.idx_lo = min(r.idx_lo, v[u].y);
+            r.idx_hi = max(r.idx_hi, v[u].y);
+        }
     }
     block_min_max(r.key_lo, r.key_hi, sh.hist, &r.key_lo, &r.key_hi);
     block_min_max(r.idx_lo, r.idx_hi, sh.hist, &r.idx_lo, &r.idx_hi);
