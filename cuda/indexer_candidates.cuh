@@ -255,7 +255,7 @@ __device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r
                                                           bytes_of(r.key_hi - r.key_lo), r.key_lo, r.idx_lo,
                                                           reinterpret_cast<u16*>(sh.hist), sh.scratch);
         bool tie = false;
-        #pragma unroll 1
+        #pragma unroll 4
         for (u32 j = threadIdx.x; j + 1 < n && !by_index; j += THREADS) tie |= a.key(at)[j] == a.key(at)[j + 1];
         if (!__syncthreads_or(tie)) break;
     }
@@ -270,7 +270,7 @@ __device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32
     const u32 n_pad = max((n + THREADS - 1) / THREADS, 1u) * THREADS;
     const PickRange range = load_picks(sh, area, buf.pairs + buf.at(sh.flip[qi], qi), n, n_pad);
     const int at = sort_picks(sh, area, range, n, n_pad);
-    #pragma unroll 1
+    #pragma unroll 4
     for (u32 j = threadIdx.x; j < k; j += THREADS) {
         out_idx[j] = j < n ? (int)area.idx(at)[j] : -1;
         if (out_scores) out_scores[j] = __uint_as_float(j < n ? key_to_bits(area.key(at)[j]) : NEG_INF_BITS);
