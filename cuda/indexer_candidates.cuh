@@ -178,25 +178,33 @@ __device__ void prune_held(GroupShared& sh, const StoredCandidates& stored, uint
 }
 
 // Cut query qi's candidates back to its top k, or (most > k) to a superset of
-// at most `most` of them where prune_held finds one early. Not inlined: ptxas
-// takes far longer on the kernel with a prune inlined at both callers.
-__device__ __noinline__ void prune(GroupShared& sh, const Buffers& buf, int qi, u32 k, u32 most) {
+// at most `most` of them where prune_held finds one early. The kept go to
+// the other half of the query's buffer; where `stage` is given and the
+// candidates are held in registers, to stage instead (then it returns true,
+// and the query's count and threshold are set all the same). Not inlined:
+// ptxas takes far longer on the kernel with a prune inlined at both callers.
+__device__ __noinline__ bool prune(GroupShared& sh, const Buffers& buf, int qi, u32 k, u32 most,
+                                   uint2* stage = nullptr) {
     const StoredCandidates c{buf.pairs + buf.at(sh.flip[qi], qi), sh.count[qi]};
     uint2* dst = buf.pairs + buf.at(sh.flip[qi] ^ 1, qi);
-    if (c.n <= HELD * THREADS)
-        prune_held(sh, c, dst, qi, k, most);
-    else
-        prune_stored(sh, c, dst, qi, k);
+    if (c.n <= HELD * THREADS) {
+        prune_held(sh, c, stage != nullptr ? stage : dst, qi, k, most);
+        return stage != nullptr;
+    }
+    prune_stored(sh, c, dst, qi, k);
+    return false;
 }
 
 // The final sort's arrays in the query tile and key stages, free once the
 // stream is done (`area`, their start): two (score key, index) array pairs
-// of SORT_CAP picks and their ranks.
+// of SORT_CAP picks and their ranks. The second pair's room doubles as the
+// stage of the final prune's (bits, index) pairs, read before it is sorted into.
 struct SortArea {
     u32* words;
     __device__ u32* key(int pair) const { return words + 2 * SORT_CAP * pair; }
     __device__ u32* idx(int pair) const { return words + 2 * SORT_CAP * pair + SORT_CAP; }
     __device__ u32* ranks() const { return words + 4 * SORT_CAP; }
+    __device__ uint2* stage() const { return reinterpret_cast<uint2*>(key(1)); }
 };
 
 // The spread of the picks' keys and indices (block-wide).
@@ -206,19 +214,28 @@ struct PickRange {
 
 // Load the n pairs `c` into a.key(0) / a.idx(0) and pad them to n_pad, a
 // multiple of THREADS, with picks that sort last: the lowest key and an
-// index whose sort digits (those of ~(index - idx_lo)) are all zero.
+// index whose sort digits (those of ~(index - idx_lo)) are all zero. The
+// pairs come from global memory or the stage, PRUNE_U per thread per round,
+// all loads of a round in flight together.
 __device__ PickRange load_picks(GroupShared& sh, const SortArea& a, const uint2* c, u32 n, u32 n_pad) {
     PickRange r;
     #pragma unroll 1
-    for (u32 j = threadIdx.x; j < n; j += THREADS) {
-        const uint2 v = c[j];
-        const u32 key = score_key(v.x);
-        a.key(0)[j] = key;
-        a.idx(0)[j] = v.y;
-        r.key_lo = min(r.key_lo, key);
-        r.key_hi = max(r.key_hi, key);
-        r.idx_lo = min(r.idx_lo, v.y);
-        r.idx_hi = max(r.idx_hi, v.y);
+    for (u32 base = 0; base < n; base += PRUNE_U * THREADS) {
+        uint2 v[PRUNE_U];
+        #pragma unroll
+        for (int u = 0; u < PRUNE_U; ++u) v[u] = c[min(base + u * THREADS + threadIdx.x, n - 1)];
+        #pragma unroll
+        for (int u = 0; u < PRUNE_U; ++u) {
+            const u32 j = base + u * THREADS + threadIdx.x;
+            if (j >= n) break;
+            const u32 key = score_key(v[u].x);
+            a.key(0)[j] = key;
+            a.idx(0)[j] = v[u].y;
+            r.key_lo = min(r.key_lo, key);
+            r.key_hi = max(r.key_hi, key);
+            r.idx_lo = min(r.idx_lo, v[u].y);
+            r.idx_hi = max(r.idx_hi, v[u].y);
+        }
     }
     block_min_max(r.key_lo, r.key_hi, sh.hist, &r.key_lo, &r.key_hi);
     block_min_max(r.idx_lo, r.idx_hi, sh.hist, &r.idx_lo, &r.idx_hi);
@@ -246,7 +263,7 @@ __device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r
                                                           bytes_of(r.key_hi - r.key_lo), r.key_lo, r.idx_lo,
                                                           reinterpret_cast<u16*>(sh.hist), sh.scratch);
         bool tie = false;
-        #pragma unroll 1
+        #pragma unroll 4
         for (u32 j = threadIdx.x; j + 1 < n && !by_index; j += THREADS) tie |= a.key(at)[j] == a.key(at)[j + 1];
         if (!__syncthreads_or(tie)) break;
     }
@@ -256,12 +273,13 @@ __device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r
 // Cut query qi's candidates to its top k, sort them and write its output row.
 __device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32 k, const SortArea& area,
                                 int* out_idx, float* out_scores) {
-    if (sh.count[qi] > k) prune(sh, buf, qi, k, k);
+    // k <= SORT_CAP pairs fit the stage.
+    const bool staged = sh.count[qi] > k && prune(sh, buf, qi, k, k, area.stage());
     const u32 n = sh.count[qi];
     const u32 n_pad = max((n + THREADS - 1) / THREADS, 1u) * THREADS;
-    const PickRange range = load_picks(sh, area, buf.pairs + buf.at(sh.flip[qi], qi), n, n_pad);
+    const PickRange range = load_picks(sh, area, staged ? area.stage() : buf.pairs + buf.at(sh.flip[qi], qi), n, n_pad);
     const int at = sort_picks(sh, area, range, n, n_pad);
-    #pragma unroll 1
+    #pragma unroll 4
     for (u32 j = threadIdx.x; j < k; j += THREADS) {
         out_idx[j] = j < n ? (int)area.idx(at)[j] : -1;
         if (out_scores) out_scores[j] = __uint_as_float(j < n ? key_to_bits(area.key(at)[j]) : NEG_INF_BITS);

@@ -371,14 +371,20 @@ __device__ bool block_radix_sort_desc_looped(K* key, u32* idx, K* key2, u32* idx
         const int shift = 8 * (by_idx ? pass : pass - idx_passes);
         for (int d = lane; d < 256; d += 32) mine[d] = 0;
         __syncwarp();
+        // Each digit is read one step ahead, so its load is not behind the
+        // previous step's barrier-like __syncwarp.
+        u32 digit = begin < end ? sort_digit(src_key, src_idx, begin, by_idx, shift, key_base, idx_base) : 0u;
         #pragma unroll 1
-        for (int p = begin; p < end; p += 32)
-            ranks[p] = warp_digit_rank(sort_digit(src_key, src_idx, p, by_idx, shift, key_base, idx_base), mine);
+        for (int p = begin; p < end; p += 32) {
+            const u32 next = p + 32 < end ? sort_digit(src_key, src_idx, p + 32, by_idx, shift, key_base, idx_base) : 0u;
+            ranks[p] = warp_digit_rank(digit, mine);
+            digit = next;
+        }
         __syncthreads();
         block_digit_offsets<WARPS>(counts, scratch);
         K* dst_key = flipped ? key : key2;
         u32* dst_idx = flipped ? idx : idx2;
-        #pragma unroll 1
+        #pragma unroll 4
         for (int p = begin; p < end; p += 32) {
             const u32 at = mine[ranks[p] >> 16] + (ranks[p] & 0xFFFFu);
             dst_key[at] = src_key[p];
