@@ -5,7 +5,16 @@ import numpy as np
 import pytest
 
 import hyscale_core as hs
-from helpers import HEADS_K_GRID, assert_within_twice_naive, grid_sizes, naive_dtype, on, rounding, to_host
+from helpers import (
+    HEADS_K_GRID,
+    assert_within_twice_naive,
+    grid_sizes,
+    naive_dtype,
+    on,
+    ordered_matmul,
+    rounding,
+    to_host,
+)
 from hyscale_core._dtypes import bfloat16
 from hyscale_core.ops.sparse_attention import reference
 
@@ -25,11 +34,12 @@ def make_inputs(rng, n, h, k, n_kv, d_qk=D_QK, dtype=np.float32, skip=0.2):
 
 
 def _naive_logits(q, kv, indices, scale, dtype):
-    """``(valid, gathered keys, logits)`` computed plainly in ``dtype`` (-inf at -1 slots)."""
+    """``(valid, gathered keys, logits)`` computed plainly in ``dtype`` (-inf at -1
+    slots; every sum in ascending order: ``helpers.ordered_matmul``)."""
     wide, r = rounding(dtype)
     valid = indices >= 0
     sel = kv.astype(wide)[np.where(valid, indices, 0)]
-    logits = r(r(q.astype(wide) @ sel.transpose(0, 2, 1)) * wide.type(scale))
+    logits = r(r(ordered_matmul(q.astype(wide), sel.transpose(0, 2, 1))) * wide.type(scale))
     return valid, sel, np.where(valid[:, None, :], logits, -np.inf)
 
 
@@ -44,7 +54,7 @@ def naive_forward(q, kv, indices, d_v, scale, dtype):
     p = r(e / np.where(total > 0, total, 1))
     with np.errstate(divide="ignore"):
         lse = r(top[..., 0] + np.log(total[..., 0]))
-    out = r(p @ sel[:, :, :d_v]).astype(q.dtype)
+    out = r(ordered_matmul(p, sel[:, :, :d_v])).astype(q.dtype)
     return out, lse.astype(np.float32), r(p.sum(axis=1)).astype(np.float32)
 
 
@@ -71,11 +81,11 @@ def _naive_backward_rows(q, kv, indices, dout, d_v, scale, dtype):
     with np.errstate(invalid="ignore"):
         p = np.where(valid[:, None, :], r(np.exp(r(logits - lse[:, :, None]))), 0)
     q_, dout_ = q.astype(wide), dout.astype(wide)
-    dp = r(dout_ @ sel[:, :, :d_v].transpose(0, 2, 1))
+    dp = r(ordered_matmul(dout_, sel[:, :, :d_v].transpose(0, 2, 1)))
     dlogit = r(p * r(dp - r((dout_ * out.astype(wide)).sum(axis=2))[:, :, None]))
-    dq = r(r(dlogit @ sel) * wide.type(scale))
-    dsel = r(r(dlogit.transpose(0, 2, 1) @ q_) * wide.type(scale))
-    dsel[:, :, :d_v] = r(dsel[:, :, :d_v] + r(p.transpose(0, 2, 1) @ dout_))
+    dq = r(r(ordered_matmul(dlogit, sel)) * wide.type(scale))
+    dsel = r(r(ordered_matmul(dlogit.transpose(0, 2, 1), q_)) * wide.type(scale))
+    dsel[:, :, :d_v] = r(dsel[:, :, :d_v] + r(ordered_matmul(p.transpose(0, 2, 1), dout_)))
     return dq, dsel
 
 
