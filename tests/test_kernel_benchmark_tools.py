@@ -2,7 +2,8 @@
 kernel code they rewrite, ncu_regions splits a source view where the
 warps synchronise, the slot orders of sparse_attention_order keep each
 row's keys (with torch only), ab_runs alternates trees and merges their
-rows, and ab_trees copies commits for it."""
+rows, ab_trees copies commits for it, and the indexer accuracy check
+counts picks outside the exact top-k."""
 from __future__ import annotations
 
 import json
@@ -123,6 +124,18 @@ def test_indexer_quick_rows_carry_each_timed_call():
     assert [(r["impl"], r["median_ms"]) for r in rows] == [
         ("scores alone", 3.5), ("indexer_topk k=256", 4.0), ("indexer_topk k=2048", 5.25)]
     assert rows[2]["reselected_rows"] == 2 and rows[2]["config"] == {"n": 4096, "heads": 64, "guess_beta": 1.75}
+
+
+def test_indexer_accuracy_counts_picks_outside_the_exact_topk():
+    import numpy as np
+
+    from benchmarks import indexer_accuracy_gpu
+
+    ref = np.array([[5.0, 4.0, 3.0, -np.inf], [1.0, 2.0, 3.0, 4.0]])
+    exact = np.array([[1, 0], [3, 2]])  # each row's top 2, in any order
+    assert indexer_accuracy_gpu.picks_outside(exact, ref, 2) == 0
+    one_off = np.array([[0, 2], [3, 2]])  # key 2 in place of key 1: one of four picks
+    assert indexer_accuracy_gpu.picks_outside(one_off, ref, 2) == 0.25
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not on PATH")
