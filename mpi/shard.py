@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from typing import Any, Iterator
 
@@ -156,6 +157,9 @@ def use_local_gpu(comm: Any) -> int:
     return device
 
 
+ABORT_GRACE_S = 1.0  # seconds between a failing rank's message and MPI_Abort
+
+
 @contextlib.contextmanager
 def abort_on_error(comm: Any = None) -> Iterator[None]:
     """Run the block; on any exception print it with the rank and ``MPI_Abort``
@@ -169,7 +173,10 @@ def abort_on_error(comm: Any = None) -> Iterator[None]:
 
         comm = comm or MPI.COMM_WORLD
         # One write: mpiexec may stop forwarding this rank's output once
-        # Abort begins, so a header written apart could arrive alone.
+        # Abort begins, so a header written apart could arrive alone. The
+        # pause lets the launcher drain the pipe before Abort kills the job
+        # (without it the message was lost once in a loaded CI run).
         sys.stderr.write(f"[rank {comm.Get_rank()}] aborting the job:\n{traceback.format_exc()}")
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)
         comm.Abort(1)
