@@ -7,13 +7,13 @@ how many of ``hs.indexer_topk``'s picks lie outside the exact top-k.
 Inputs: random bfloat16 q [N, H, D] and k [N, D] (standard normal), float32
 w [N, H] ~ N(0, 1/H), one causal sequence. The reference is computed on the
 GPU in float64 from the same rounded values. Per row: the largest |error|
-over the row's largest |reference score| (rows 0.. N-1, causal); reported
-as the largest and the median over rows. Picks outside: over the rows with
+over the row's largest |reference score|, both over the row's visible
+keys; reported as the largest and the median over rows. Picks outside: over the rows with
 more than k visible keys, the fraction of the selected keys that are not
 in the reference's top k (exact ties in float64 are vanishingly rare for
 random inputs, so this counts disagreements, not tie order). A kernel
-change that trades score precision for speed shows here first; main's
-float32 sums give about 2e-7 (median row) and no pick outside.
+change that trades score precision for speed shows here first (NOTES.md,
+"the head sums on the tensor cores").
 """
 from __future__ import annotations
 
