@@ -18,8 +18,11 @@ change that trades score precision for speed shows here first (NOTES.md,
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
+
+from .common import gpu_device, write_results
 
 QUERY_CHUNK = 64  # queries per float64 reference block ([chunk, H, N] float64 in memory)
 
@@ -93,10 +96,6 @@ def main(argv=None) -> None:
         rows.append(row)
         del ref, visible
         cp.get_default_memory_pool().free_all_blocks()
-    from pathlib import Path
-
-    from .common import gpu_device, write_results
-
     path = write_results("indexer_accuracy_gpu", gpu_device(), rows, Path(args.out) if args.out else None)
     print(f"wrote {path}")
 
