@@ -93,6 +93,20 @@ def _replace(text: str, old: str, new: str, path: Path) -> str:
     return text.replace(old, new)
 
 
+FORWARD_CUTS = ("gathers_only", "products_only")  # variants of the text of cuda/sparse_attention.cu alone
+
+
+def forward_variant(text: str, variant: str, path: Path = Path("cuda/sparse_attention.cu")) -> str:
+    """The text of the forward kernel's source ``text`` as ``variant`` (one of FORWARD_CUTS)."""
+    if variant == "gathers_only":
+        for old, new in _PRODUCTS:
+            text = _replace(text, old, new, path)
+        return text
+    if variant == "products_only":
+        return _replace(text, _GATHER, "            (void)src;", path)
+    raise SystemExit(f"{variant!r} is not one of {', '.join(FORWARD_CUTS)}")
+
+
 def patch(tree: Path, variant: str) -> None:
     """Rewrite the forward kernel (or, for dq_*, the backward's dq kernel) of
     the repository copy at ``tree`` into ``variant``."""
@@ -107,11 +121,8 @@ def patch(tree: Path, variant: str) -> None:
         tiles = tree / "cuda" / "tiles.cuh"
         anchor = "__device__ __forceinline__ void cp_async_commit()"
         tiles.write_text(_replace(tiles.read_text(), anchor, _COPY_AT + anchor, tiles))
-    elif variant == "gathers_only":
-        for old, new in _PRODUCTS:
-            text = _replace(text, old, new, kernel)
-    elif variant == "products_only":
-        text = _replace(text, _GATHER, "            (void)src;", kernel)
+    elif variant in FORWARD_CUTS:
+        text = forward_variant(text, variant, kernel)
     else:
         raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
     kernel.write_text(text)

@@ -1,5 +1,5 @@
-"""The kernel benchmarks' CPU-side tools: the A/B variants still find the
-kernel code they rewrite, ncu_regions splits a source view where the
+"""The kernel benchmarks' CPU-side tools: the A/B variants and the forward's
+phase marks still find the kernel code they rewrite, ncu_regions splits a source view where the
 warps synchronise, the slot orders of sparse_attention_order keep each
 row's keys (with torch only), ab_runs alternates trees and merges their
 rows, ab_trees copies commits for it, and the indexer accuracy check
@@ -36,6 +36,47 @@ def test_a_missing_quote_stops_the_patch(tmp_path):
     path.write_text(path.read_text().replace("add_ds_kv(acc, rope, ds_tile, kv_tile, ln);", "add_ds_kv();"))
     with pytest.raises(SystemExit, match="the code this variant rewrites is not there"):
         sparse_attention_variants.patch(tmp_path, "dq_gathers_only")
+
+
+@pytest.mark.parametrize("variant", [None, *sparse_attention_variants.FORWARD_CUTS])
+def test_phase_marks_find_their_places_in_the_forward(variant):
+    """sparse_attention_phases instruments the current forward (and its
+    A/B variants): every mark goes in exactly once, after the trace's globals."""
+    from benchmarks import sparse_attention_phases as phases
+
+    text = (ROOT / "cuda" / "sparse_attention.cu").read_text()
+    if variant:
+        text = sparse_attention_variants.forward_variant(text, variant)
+    marked = phases.instrumented_source(text)
+    for _, mark, _ in phases._MARKS:
+        assert marked.count(f"{mark};") == 1, mark
+    assert marked.index("hs_sa_points[") < marked.index("HS_START();")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_phase_marks_leave_the_wgmma_schedule_alone(tmp_path):
+    """No mark sits where ptxas would have to add warpgroup.arrive (C7519)
+    or serialise wgmma: the instrumented kernel runs the library's schedule."""
+    import subprocess
+
+    from benchmarks import sparse_attention_phases as phases
+
+    source = tmp_path / "sparse_attention_marked.cu"
+    source.write_text(phases.instrumented_source((ROOT / "cuda" / "sparse_attention.cu").read_text()))
+    result = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-Xptxas=-v",
+                             f"-I{ROOT / 'cuda'}", "-c", str(source), "-o", str(tmp_path / "out.o")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "C7519" not in result.stderr and "Potential Performance Loss" not in result.stderr, result.stderr
+    assert "0 bytes spill stores" in result.stderr, result.stderr
+
+
+def test_a_moved_anchor_stops_the_phase_marks():
+    from benchmarks import sparse_attention_phases as phases
+
+    text = (ROOT / "cuda" / "sparse_attention.cu").read_text().replace("    Tiles tl;\n", "    Tiles tiles;\n")
+    with pytest.raises(RuntimeError, match="anchor not found once"):
+        phases.instrumented_source(text)
 
 
 def test_ncu_regions_cut_at_synchronising_instructions(tmp_path):

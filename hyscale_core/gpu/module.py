@@ -77,9 +77,18 @@ def compile_options(folder: Path, defines: tuple[str, ...]) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _load(name: str, device_id: int, defines: tuple[str, ...]):
+    source = (cuda_source_dir() / f"{name}.cu").read_text(encoding="utf-8")
+    return module_from_source(name, source, defines, device_id)
+
+
+def module_from_source(name: str, source: str, defines: tuple[str, ...] = (), device_id: int | None = None):
+    """A ``cupy.RawModule`` of ``source`` (the text of a translation unit
+    that includes headers of ``cuda/``, for example an instrumented copy of
+    ``cuda/<name>.cu``) built as the library builds its own sources: the same
+    options and architecture, cached on disk by its text and defines."""
     cp = cupy_module()
+    device_id = cp.cuda.Device().id if device_id is None else device_id
     folder = cuda_source_dir()
-    source = (folder / f"{name}.cu").read_text(encoding="utf-8")
     headers = "".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob(f"*{_HEADER_SUFFIX}")))
     arch = _architecture(cp, device_id)
     options = compile_options(folder, defines)
