@@ -93,8 +93,8 @@ _MARKS = [
     ("    Tiles tl;\n", "HS_START()", False),
     ("    const int pairs = (blocks_with_keys(sh, indices, t, k) + 1) / 2;\n", "HS_POINT(1)", False),
     ("    float o[128], l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};\n", "HS_POINT(2)", True),
-    ("    write_output(o, l, m, sh, out, lse, lse2, t, g, h, ln);\n}", "HS_POINT(3 + ln.w)", True),
-    ("    write_output(o, l, m, sh, out, lse, lse2, t, g, h, ln);\n", "HS_END()", False),
+    ("    write_output(o, l, m, sh, tl.q, out, lse, lse2, t, g, h, ln);\n}", "HS_POINT(3 + ln.w)", True),
+    ("    write_output(o, l, m, sh, tl.q, out, lse, lse2, t, g, h, ln);\n", "HS_END()", False),
     # warpgroup 0's loop
     ("        if (next) {\n            block_keys(keys[0], indices, t, k, 2 * i + 2, gl);\n"
      "            block_keys(keys[1], indices, t, k, 2 * i + 3, gl);\n        }\n        float mx[2], base[2];\n"

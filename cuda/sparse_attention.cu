@@ -28,7 +28,8 @@ constexpr int LEFT = 0, RIGHT = 1;       // buffer halves
 constexpr float RAISE_SLACK = 8.f;       // log2 of the largest p before a row's base rises
 constexpr int LEFT_STEPS = 256 / 16;     // k-steps of the logits in the left half
 constexpr int ROPE_REGION = DV / 64;     // the region past the values: warpgroup 0's p tile once its logits are done
-enum : int { BAR_MAX0 = 1, BAR_MAX1, BAR_P0, BAR_P1, BAR_L };  // named barriers of the two warpgroups
+enum : int { BAR_MAX0 = 1, BAR_MAX1, BAR_P0, BAR_P1, BAR_L, BAR_OUT };  // named barriers of the two warpgroups
+                                                                     // (BAR_OUT + w: warpgroup w alone)
 
 struct PairShared {
     u64 ready[2][2];  // [buffer][half]: the half's rows have landed (128 arrivals: its gatherers)
@@ -371,32 +372,47 @@ __device__ __forceinline__ int blocks_with_keys(PairShared& sh, const int* indic
     return (sh.last_slot + BK) / BK;
 }
 
-// out (this warpgroup's 256 value columns), lse and lse2 (nullable) of the CTA's heads from the warpgroups' o, l, m.
+// out (this warpgroup's 256 value columns), lse and lse2 (nullable) of the
+// CTA's heads from the warpgroups' o, l, m. out goes through shared memory
+// (`stage`: the q tile, which no product reads once both warpgroups are past
+// BAR_L): each thread puts its 16-bit pairs into a 64-row tile of 512-byte
+// rows (16-byte chunks XOR-swizzled by row, so the puts are free of bank
+// conflicts), then each warp writes whole rows with 16-byte stores. Stores of
+// 4 bytes straight from the accumulator layout took about 5 us per item
+// (benchmarks/NOTES.md, "The output through shared memory").
 __device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2], const float (&m)[2],
-                                             PairShared& sh, u16* out, float* lse, float* lse2, int t, int g, int h,
-                                             const Lane& ln) {
+                                             PairShared& sh, unsigned char* stage, u16* out, float* lse, float* lse2,
+                                             int t, int g, int h, const Lane& ln) {
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] = quad_sum(l[r]);
         if ((threadIdx.x & 3) == 0) sh.l[ln.w][ln.row0 + 8 * r] = l[r];
     }
     bar_sync(BAR_L, THREADS);
+    unsigned char* tile = stage + ln.w * BH * 512;  // this warpgroup's columns: 64 rows of 256 x 16 bits
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = ln.row0 + 8 * r, head = g * BH + row;
-        if (head >= h) continue;
         const float total = sh.l[0][row] + sh.l[1][row];
         const float inv = total > 0.f ? 1.f / total : 0.f;
-        u16* dst = out + ((size_t)t * h + head) * DV + ln.w * 256 + ln.cq;
         #pragma unroll
-        for (int j = 0; j < 32; ++j)  // streaming stores: out is not read again, the L2 keeps kv rows instead
-            __stcs(reinterpret_cast<unsigned int*>(dst + 8 * j),
-                   pack_half2<F16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv));
+        for (int j = 0; j < 32; ++j)  // columns 8 j + cq, 8 j + cq + 1: chunk j of the row
+            *reinterpret_cast<u32*>(tile + row * 512 + ((j ^ (row & 7)) << 4) + ln.cq * 2) =
+                pack_half2<F16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         const float base2 = total > 0.f ? m[r] + log2f(total) : neg_inf();
-        if (ln.w == 0 && (threadIdx.x & 3) == 0) {
+        if (head < h && ln.w == 0 && (threadIdx.x & 3) == 0) {
             lse[(size_t)t * h + head] = base2 * LN2;
             if (lse2 != nullptr) lse2[(size_t)t * h + head] = base2;
         }
+    }
+    if (ln.w == 0) bar_sync(BAR_OUT, 128);  // constant ids: ptxas counts the barriers a kernel uses
+    else bar_sync(BAR_OUT + 1, 128);
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    #pragma unroll 4
+    for (int row = warp; row < BH && g * BH + row < h; row += 4) {  // lane: the row's 16-byte chunk
+        const uint4 v = *reinterpret_cast<const uint4*>(tile + row * 512 + ((lane ^ (row & 7)) << 4));
+        // streaming stores: out is not read again, the L2 keeps kv rows instead
+        __stcs(reinterpret_cast<uint4*>(out + ((size_t)t * h + g * BH + row) * DV + ln.w * 256) + lane, v);
     }
 }
 
@@ -439,5 +455,5 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
         run_warpgroup0(o, l, m, tl, sh, kv, indices, t, k, pairs, scale * LOG2E, ln);
     else
         run_warpgroup1(o, l, m, tl, sh, kv, indices, t, k, pairs, scale * LOG2E, ln);
-    write_output(o, l, m, sh, out, lse, lse2, t, g, h, ln);
+    write_output(o, l, m, sh, tl.q, out, lse, lse2, t, g, h, ln);
 }
