@@ -226,11 +226,7 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
     u32 a[16];
     int keys[2][4];  // the rows this thread gathers of the next pair's blocks
     u32 valid = valid_slots(indices, t, k, 0, ln);
-    if (pairs > 0) {
-        block_keys(keys[0], indices, t, k, 0, gl);
-        block_keys(keys[1], indices, t, k, 1, gl);
-        gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl);
-        gather_half<0, 4>(sh, tl, 1, LEFT, kv, keys[1], gl);
+    if (pairs > 0) {  // the first pair's gathers are in flight (gather_first_pair)
         logits_first(s, tl, sh, 0);
         wgmma_wait<0>();
         wgmma_fence_operands(s);
@@ -307,12 +303,6 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
     float s[32];
     u32 a[16];
     int keys[2][4];  // the rows this thread gathers of the next pair's blocks
-    if (pairs > 0) {
-        block_keys(keys[0], indices, t, k, 0, gl);
-        block_keys(keys[1], indices, t, k, 1, gl);
-        gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl);
-        gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl);
-    }
     for (int i = 0; i < pairs; ++i) {
         const bool next = i + 1 < pairs;
         if (next) {
@@ -359,6 +349,29 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
         wgmma_wait<0>();
         wgmma_fence_operands(o);
         if (next) gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl);  // block 2i is done with it
+    }
+}
+
+// The first pair's gathers (this warpgroup's halves of both buffers, buffer
+// 0 first: warpgroup 0's first logits head the softmax chain), issued before
+// the CTA counts its blocks, which waits on the whole index row; these need
+// only its first 128 slots. The q tile is staged between the key loads and
+// the copies, so its copies are in flight while the keys arrive. Rows
+// without a key gather zeros (the caller drains them).
+__device__ __forceinline__ void stage_first_pair(PairShared& sh, const Tiles& tl, const u16* q, const u16* kv,
+                                                 const int* indices, int t, int g, int h, int k, int w) {
+    const GatherLane gl = gather_lane();
+    int keys[2][4];
+    block_keys(keys[0], indices, t, k, 0, gl);
+    block_keys(keys[1], indices, t, k, 1, gl);
+    stage_heads<D>(tl.q, q, t, g, h, l2_evict_first());  // read once: no room taken from the kv rows
+    cp_async_commit();
+    if (w == 0) {
+        gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl);
+        gather_half<0, 4>(sh, tl, 1, LEFT, kv, keys[1], gl);
+    } else {
+        gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl);
+        gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl);
     }
 }
 
@@ -434,8 +447,6 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     tl.p[0] = tl.buf[0] + ROPE_REGION * REGION;
     tl.p[1] = tl.buf[1] + KV_BYTES;
     const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
-    stage_heads<D>(tl.q, q, t, g, h, l2_evict_first());  // read once: no room taken from the kv rows
-    cp_async_commit();
     if (threadIdx.x == 0) {
         #pragma unroll
         for (int b = 0; b < 2; ++b)
@@ -443,9 +454,11 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
             for (int half = 0; half < 2; ++half) mbarrier_init(&sh.ready[b][half], 128);
         sh.last_slot = -1;
     }
-    __syncthreads();
-    const int pairs = (blocks_with_keys(sh, indices, t, k) + 1) / 2;
+    __syncthreads();  // the barriers are initialised before any copy arrives on them
     const Lane ln = lane_geometry();
+    stage_first_pair(sh, tl, q, kv, indices, t, g, h, k, ln.w);
+    const int pairs = (blocks_with_keys(sh, indices, t, k) + 1) / 2;
+    if (pairs == 0) cp_async_commit();  // the first pair's copies join the q tile's wait: nothing waits on them
     cp_async_wait<0>();  // the q tile (the gathers are not committed to groups)
     fence_proxy_async();
     __syncthreads();
