@@ -91,7 +91,7 @@ __device__ __forceinline__ bool hs_sampled() {{
 # (anchor in cuda/sparse_attention.cu, mark, whether the mark goes before the anchor, else after it)
 _MARKS = [
     ("    Tiles tl;\n", "HS_START()", False),
-    ("    const int pairs = (blocks_with_keys(sh, indices, t, k) + 1) / 2;\n", "HS_POINT(1)", False),
+    ("    const int pairs = (blocks_with_keys(sh, last) + 1) / 2;\n", "HS_POINT(1)", False),
     ("    float o[128], l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};\n", "HS_POINT(2)", True),
     ("    write_output(o, l, m, sh, tl.q, out, lse, lse2, t, g, h, ln);\n}", "HS_POINT(3 + ln.w)", True),
     ("    write_output(o, l, m, sh, tl.q, out, lse, lse2, t, g, h, ln);\n", "HS_END()", False),

@@ -353,19 +353,31 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
 }
 
 // The first pair's gathers (this warpgroup's halves of both buffers, buffer
-// 0 first: warpgroup 0's first logits head the softmax chain), issued before
-// the CTA counts its blocks, which waits on the whole index row; these need
-// only its first 128 slots. The q tile is staged between the key loads and
-// the copies, so its copies are in flight while the keys arrive. Rows
-// without a key gather zeros (the caller drains them).
-__device__ __forceinline__ void stage_first_pair(PairShared& sh, const Tiles& tl, const u16* q, const u16* kv,
-                                                 const int* indices, int t, int g, int h, int k, int w) {
+// 0 first: warpgroup 0's first logits head the softmax chain), issued
+// before the CTA's block count is known. The loads of the count go out with
+// the first pair's keys, then the q tile's copies, so that one round trip
+// to memory precedes the gathers. Rows without a key gather zeros (the
+// caller drains them). Returns the last slot of this thread's (slot = thread
+// + i THREADS) that holds a key, -1 for none.
+constexpr int COUNT_LOADS = 8;  // index loads per thread before the gathers (k = 2048 in one round)
+__device__ __forceinline__ int stage_first_pair(PairShared& sh, const Tiles& tl, const u16* q, const u16* kv,
+                                                const int* indices, int t, int g, int h, int k, int w) {
     const GatherLane gl = gather_lane();
-    int keys[2][4];
+    const int* row = indices + (size_t)t * k;
+    int keys[2][4], held[COUNT_LOADS];
     block_keys(keys[0], indices, t, k, 0, gl);
     block_keys(keys[1], indices, t, k, 1, gl);
+    #pragma unroll
+    for (int i = 0; i < COUNT_LOADS; ++i) {
+        const int slot = threadIdx.x + i * THREADS;
+        held[i] = slot < k ? row[slot] : -1;
+    }
     stage_heads<D>(tl.q, q, t, g, h, l2_evict_first());  // read once: no room taken from the kv rows
     cp_async_commit();
+    int last = -1;
+    #pragma unroll
+    for (int i = 0; i < COUNT_LOADS; ++i)
+        if (held[i] >= 0) last = threadIdx.x + i * THREADS;
     if (w == 0) {
         gather_half<0, 4>(sh, tl, 0, LEFT, kv, keys[0], gl);
         gather_half<0, 4>(sh, tl, 1, LEFT, kv, keys[1], gl);
@@ -373,13 +385,14 @@ __device__ __forceinline__ void stage_first_pair(PairShared& sh, const Tiles& tl
         gather_half<4, D / 64>(sh, tl, 0, RIGHT, kv, keys[0], gl);
         gather_half<4, D / 64>(sh, tl, 1, RIGHT, kv, keys[1], gl);
     }
+    for (int slot = threadIdx.x + COUNT_LOADS * THREADS; slot < k; slot += THREADS)
+        if (row[slot] >= 0) last = slot;
+    return last;
 }
 
-// Blocks of query t up to the last one holding a key (all threads call this).
-__device__ __forceinline__ int blocks_with_keys(PairShared& sh, const int* indices, int t, int k) {
-    int last = -1;
-    for (int slot = threadIdx.x; slot < k; slot += THREADS)
-        if (indices[(size_t)t * k + slot] >= 0) last = slot;
+// Blocks of the query up to the last one holding a key, from each thread's
+// last key slot (all threads call this).
+__device__ __forceinline__ int blocks_with_keys(PairShared& sh, int last) {
     if (last >= 0) atomicMax(&sh.last_slot, last);
     __syncthreads();
     return (sh.last_slot + BK) / BK;
@@ -456,8 +469,8 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     }
     __syncthreads();  // the barriers are initialised before any copy arrives on them
     const Lane ln = lane_geometry();
-    stage_first_pair(sh, tl, q, kv, indices, t, g, h, k, ln.w);
-    const int pairs = (blocks_with_keys(sh, indices, t, k) + 1) / 2;
+    const int last = stage_first_pair(sh, tl, q, kv, indices, t, g, h, k, ln.w);
+    const int pairs = (blocks_with_keys(sh, last) + 1) / 2;
     if (pairs == 0) cp_async_commit();  // the first pair's copies join the q tile's wait: nothing waits on them
     cp_async_wait<0>();  // the q tile (the gathers are not committed to groups)
     fence_proxy_async();
