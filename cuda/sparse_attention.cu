@@ -10,7 +10,8 @@
 // block's maxima, warpgroup 0 picks the pair's bases up; a base rises only by
 // more than RAISE_SLACK, so o is seldom rescaled), then value columns 256w ..
 // 256w + 255 of both blocks: p v of its own block with p from registers and
-// of the other's block with p from the other's shared tile. While one
+// of the other's block with p from the other's shared tile. The first pair's
+// gathers go out before the CTA counts its blocks. While one
 // warpgroup runs its softmax, the other's products keep the tensor cores
 // busy. Online softmax in float32 with a base-2 exponent; p rounded to the
 // 16-bit type as an operand. Trailing blocks without a valid slot are
@@ -226,7 +227,7 @@ __device__ __forceinline__ void run_warpgroup0(float (&o)[128], float (&l)[2], f
     u32 a[16];
     int keys[2][4];  // the rows this thread gathers of the next pair's blocks
     u32 valid = valid_slots(indices, t, k, 0, ln);
-    if (pairs > 0) {  // the first pair's gathers are in flight (gather_first_pair)
+    if (pairs > 0) {  // the first pair's gathers are in flight (stage_first_pair)
         logits_first(s, tl, sh, 0);
         wgmma_wait<0>();
         wgmma_fence_operands(s);
@@ -352,13 +353,13 @@ __device__ __forceinline__ void run_warpgroup1(float (&o)[128], float (&l)[2], f
     }
 }
 
-// The first pair's gathers (this warpgroup's halves of both buffers, buffer
-// 0 first: warpgroup 0's first logits head the softmax chain), issued
-// before the CTA's block count is known. The loads of the count go out with
-// the first pair's keys, then the q tile's copies, so that one round trip
-// to memory precedes the gathers. Rows without a key gather zeros (the
-// caller drains them). Returns the last slot of this thread's (slot = thread
-// + i THREADS) that holds a key, -1 for none.
+// The q tile's copies and the first pair's gathers (this warpgroup's halves
+// of both buffers, buffer 0 first: warpgroup 0's first logits head the
+// softmax chain), issued before the CTA's block count is known. The count's
+// loads go out together with the first pair's keys, so the gathers wait for
+// one round trip to memory, not two. Rows without a key gather zeros (the
+// caller waits for them). Returns the last slot of this thread's (slot =
+// thread + i THREADS) that holds a key, -1 for none.
 constexpr int COUNT_LOADS = 8;  // index loads per thread before the gathers (k = 2048 in one round)
 __device__ __forceinline__ int stage_first_pair(PairShared& sh, const Tiles& tl, const u16* q, const u16* kv,
                                                 const int* indices, int t, int g, int h, int k, int w) {
@@ -471,7 +472,9 @@ sa_forward(const u16* q, const u16* kv, const int* indices, u16* out, float* lse
     const Lane ln = lane_geometry();
     const int last = stage_first_pair(sh, tl, q, kv, indices, t, g, h, k, ln.w);
     const int pairs = (blocks_with_keys(sh, last) + 1) / 2;
-    if (pairs == 0) cp_async_commit();  // the first pair's copies join the q tile's wait: nothing waits on them
+    if (pairs == 0)  // no pair waits for the first pair's copies (zeros): they land before the CTA ends
+        for (int b = 0; b < 2; ++b)
+            for (int half = 0; half < 2; ++half) mbarrier_wait(&sh.ready[b][half], 0);
     cp_async_wait<0>();  // the q tile (the gathers are not committed to groups)
     fence_proxy_async();
     __syncthreads();
