@@ -22,8 +22,8 @@ over the same CTAs:
 
 then the parts of a middle pair and of the first pair for each warpgroup
 (``--detail``), medians over the sampled CTAs: what each warp waits for
-between two points. ``--variant products_only`` (no gathers) or
-``gathers_only`` (no tensor products) instruments that variant of
+between two points. ``--variants products_only`` (no gathers) and
+``gathers_only`` (no tensor products) instrument those variants of
 benchmarks/sparse_attention_variants.py instead.
 
     python -m benchmarks.sparse_attention_phases
@@ -131,7 +131,7 @@ def instrumented_source(source: str) -> str:
     return source.replace("namespace {\n", _PRELUDE + "namespace {\n", 1)
 
 
-def _spans(points: np.ndarray, pairs: int) -> dict:
+def spans(points: np.ndarray, pairs: int) -> dict:
     """Medians over sampled CTAs (cycles) of the item's phases from the points [ctas, POINTS]."""
     at = lambda i, j: points[:, 8 + 16 * i + j]  # noqa: E731
     last = min(pairs, PAIRS) - 1
@@ -165,22 +165,56 @@ def _pair_parts(points: np.ndarray, i: int) -> dict:
     return parts
 
 
-def measure(cp, torch, n: int, h: int, k: int, variant: str | None, detail: bool) -> dict:
-    from hyscale_core.gpu.module import cuda_source_dir, module_from_source, multiprocessor_count
-    from hyscale_core.ops.sparse_attention import gpu
+def ends_summary(ends: np.ndarray) -> tuple[float, float, float]:
+    """(SM clock in GHz, mean item span, mean gap to the next CTA on the same SM), spans in cycles,
+    from the per-CTA records [ctas, ENDS]: smid, clock at start, each warpgroup's clock at its end,
+    globaltimer (ns) at start and at each warpgroup's end."""
+    end = np.maximum(ends[:, 2], ends[:, 3])
+    elapsed_ns = np.maximum(np.maximum(ends[:, 6], ends[:, 7]) - ends[:, 4], 1)
+    ghz = float(np.median((end - ends[:, 1]) / elapsed_ns))
+    order = np.lexsort((ends[:, 1], ends[:, 0]))  # by SM, then start
+    sm, start, stop = ends[order, 0], ends[order, 1], end[order]
+    gaps = (start[1:] - stop[:-1])[sm[1:] == sm[:-1]]
+    return ghz, float(np.mean(stop - start)), float(np.mean(gaps)) if gaps.size else float("nan")
 
-    from .sparse_attention_gpu import inputs, to_cupy
+
+def _instrumented_forward(gpu, variant: str | None):
+    """The instrumented sa_forward (bfloat16) and its module, whose globals hold the records."""
+    from hyscale_core.gpu.module import cuda_source_dir, module_from_source
+
     from .sparse_attention_variants import forward_variant
 
-    tq, tkv, tdout, tidx = inputs(torch, n, h, k)
-    del tdout
-    q, kv, idx = (to_cupy(cp, x, torch) for x in (tq, tkv, tidx))
     source = (cuda_source_dir() / "sparse_attention.cu").read_text()
     if variant:
         source = forward_variant(source, variant)
     module = module_from_source("sparse_attention", instrumented_source(source), ("HS_SA_F16=0",))
     kernel = module.get_function("sa_forward")
     kernel.max_dynamic_shared_size_bytes = gpu.SMEM_FORWARD
+    return kernel, module
+
+
+def _print_row(row: dict) -> None:
+    c = row["config"]
+    print(f"N={c['n']} h={c['h']} k={c['k']} {c['variant']}: library {row['ms']['library']:.2f} ms, instrumented "
+          f"{row['ms']['instrumented']:.2f} ms, SM {row['sm_ghz']:.2f} GHz, "
+          f"bitwise {'yes' if row['bitwise_as_library'] else 'no'}", flush=True)
+    print("  " + "  ".join(f"{name} {v}" for name, v in row["us"].items()) + " (us)", flush=True)
+    for pair, parts in row.get("parts_us", {}).items():
+        print(f"  {pair}: " + "; ".join(f"{name} {v}" for name, v in parts.items()), flush=True)
+
+
+def measure(cp, torch, n: int, h: int, k: int, variant: str | None, detail: bool) -> dict:
+    """One launch of the instrumented forward on the uniform table: its records summarised, its out
+    and lse compared with the library kernel's, both timed."""
+    from hyscale_core.gpu.module import multiprocessor_count
+    from hyscale_core.ops.sparse_attention import gpu
+
+    from .sparse_attention_gpu import inputs, to_cupy
+
+    tq, tkv, tdout, tidx = inputs(torch, n, h, k)
+    del tdout
+    q, kv, idx = (to_cupy(cp, x, torch) for x in (tq, tkv, tidx))
+    kernel, module = _instrumented_forward(gpu, variant)
     ctas = n * -(-h // gpu.HEADS_PER_CTA)
     if ctas > MAX_CTAS:
         raise ValueError(f"{ctas} CTAs: the instrumented build records {MAX_CTAS}")
@@ -188,12 +222,15 @@ def measure(cp, torch, n: int, h: int, k: int, variant: str | None, detail: bool
     points = cp.ndarray((MAX_SAMPLED * POINTS,), cp.uint64, module.get_global("hs_sa_points"))
     out = cp.empty((n, h, gpu.D_V), dtype=cp.uint16)
     lse = cp.empty((n, h), dtype=cp.float32)
-    bits = lambda x: x.view(cp.uint16)  # noqa: E731
     scale = 1.0 / np.sqrt(gpu.D_QK)
-    args = (bits(q), bits(kv), idx, out, lse, np.uint64(0), np.int32(h), np.int32(k), np.float32(scale))
+    args = (q.view(cp.uint16), kv.view(cp.uint16), idx, out, lse, np.uint64(0), np.int32(h), np.int32(k),
+            np.float32(scale))
 
     def launch(_=0):
         kernel((ctas,), (gpu.THREADS,), args, shared_mem=gpu.SMEM_FORWARD)
+
+    def library(_=0):
+        return gpu.sparse_attention(q, kv, idx, gpu.D_V, scale, want_probs=False)
 
     ends.fill(0)
     points.fill(0)
@@ -201,7 +238,6 @@ def measure(cp, torch, n: int, h: int, k: int, variant: str | None, detail: bool
     cp.cuda.Device().synchronize()
     e = ends[: ctas * ENDS].get().reshape(ctas, ENDS).astype(np.int64)
     p = points[: -(-ctas // SAMPLE) * POINTS].get().reshape(-1, POINTS).astype(np.int64)
-    library = lambda _=0: gpu.sparse_attention(q, kv, idx, gpu.D_V, scale, want_probs=False)  # noqa: E731
     ref_out, ref_lse, _ = library()
     same = bool((ref_out.view(cp.uint16) == out).all()) and bool(
         (ref_lse.view(cp.uint32) == lse.view(cp.uint32)).all())
@@ -211,36 +247,26 @@ def measure(cp, torch, n: int, h: int, k: int, variant: str | None, detail: bool
     traced_ms = time_gpu(launch, repeats=3, warmup=1)
     real_ms = time_gpu(library, repeats=3, warmup=1)
 
-    end = np.maximum(e[:, 2], e[:, 3])
-    ghz = float(np.median((end - e[:, 1]) / np.maximum(np.maximum(e[:, 6], e[:, 7]) - e[:, 4], 1)))
-    order = np.lexsort((e[:, 1], e[:, 0]))  # by SM, then start
-    sm, start, stop = e[order, 0], e[order, 1], end[order]
-    same_sm = sm[1:] == sm[:-1]
-    gap = (start[1:] - stop[:-1])[same_sm]
-    sms = multiprocessor_count(cp.cuda.Device().id)
+    ghz, item, gap = ends_summary(e)
+
     def us(cycles) -> float | None:
         return None if not np.isfinite(cycles) else round(float(cycles) / ghz / 1e3, 2)
 
     pairs = -(-k // 128)
-    spans = {name: us(v) for name, v in _spans(p, pairs).items()}
+    sms = multiprocessor_count(cp.cuda.Device().id)
     row = {
         "bench": "sparse_attention_phases",
         "config": {"n": n, "h": h, "k": k, "variant": variant or "main", "sample": SAMPLE, "pairs": pairs},
         "ms": {"library": round(real_ms, 3), "instrumented": round(traced_ms, 3)},
         "bitwise_as_library": same,
         "sm_ghz": round(ghz, 3),
-        "us": {"per item": round(traced_ms * 1e3 * sms / ctas, 2), "item": us(np.mean(stop - start)),
-               "gap": us(np.mean(gap)), **spans},
+        "us": {"per item": round(traced_ms * 1e3 * sms / ctas, 2), "item": us(item), "gap": us(gap),
+               **{name: us(v) for name, v in spans(p, pairs).items()}},
     }
     if detail:
         row["parts_us"] = {f"pair {i}": {name: us(v) for name, v in _pair_parts(p, i).items()}
                            for i in sorted({0, min(pairs, PAIRS) // 2})}
-    label = variant or "main"
-    print(f"N={n} h={h} k={k} {label}: library {real_ms:.2f} ms, instrumented {traced_ms:.2f} ms, "
-          f"SM {ghz:.2f} GHz, bitwise {'yes' if same else 'no'}", flush=True)
-    print("  " + "  ".join(f"{name} {v}" for name, v in row["us"].items()) + " (us)", flush=True)
-    for pair, parts in row.get("parts_us", {}).items():
-        print(f"  {pair}: " + "; ".join(f"{name} {v}" for name, v in parts.items()), flush=True)
+    _print_row(row)
     return row
 
 

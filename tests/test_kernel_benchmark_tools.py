@@ -79,6 +79,26 @@ def test_a_moved_anchor_stops_the_phase_marks():
         phases.instrumented_source(text)
 
 
+def test_phase_records_give_clock_item_gap_and_spans():
+    import numpy as np
+
+    from benchmarks import sparse_attention_phases as phases
+
+    # smid, clock start, clock end wg0 / wg1, globaltimer start, end wg0 / wg1 (ns), unused
+    ends = np.array([[0, 100, 1100, 1200, 0, 500, 600, 0],     # 1100 cycles in 600 ns
+                     [0, 1300, 2300, 2300, 1000, 1600, 1600, 0],  # on SM 0, 100 cycles after the first
+                     [1, 50, 1250, 1250, 0, 600, 600, 0]])
+    ghz, item, gap = phases.ends_summary(ends)
+    assert (round(ghz, 4), item, gap) == (round(1100 / 600, 4), 1100.0, 100.0)
+    points = np.zeros((2, phases.POINTS), dtype=np.int64)
+    points[:, :7] = [0, 10, 12, 370, 380, 400, 410]  # start, count, q, loop ends, outs
+    for i in range(4):
+        points[:, 8 + 16 * i] = 20 + 100 * i  # warpgroup 0's logits of pair i
+    got = phases.spans(points, pairs=4)
+    assert got == {"counted": 10, "q": 12, "first": 20, "pair first": 100, "pair middle": 100,
+                   "pair last": 50, "out": 30}
+
+
 def test_ncu_regions_cut_at_synchronising_instructions(tmp_path):
     csv = tmp_path / "source.csv"
     lines = ['"Kernel view"', '"Address","Source","Warp Stall Sampling (All Samples)"']
