@@ -1,6 +1,7 @@
-"""The kernel benchmarks' CPU-side tools: the A/B variants and the forward's
-phase marks still find the kernel code they rewrite, ncu_regions splits a source view where the
-warps synchronise, the slot orders of sparse_attention_order keep each
+"""The kernel benchmarks' CPU-side tools: the A/B variants and the
+forward's phase marks still find the kernel code they rewrite, the phases'
+summaries read their records right, ncu_regions splits a source view where
+the warps synchronise, the slot orders of sparse_attention_order keep each
 row's keys (with torch only), ab_runs alternates trees and merges their
 rows, ab_trees copies commits for it, and the indexer accuracy check
 counts picks outside the exact top-k."""
