@@ -69,14 +69,17 @@ def test_kernels_precise_dkv_within_twice_naive_error(kernels, h):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("keys", [1, 64, 65, 129, 1000])
-def test_kernels_forward_rows_ending_in_empty_blocks(kernels, keys):
+@pytest.mark.parametrize("k, keys", [(2048, 1), (2048, 64), (2048, 65), (2048, 129), (2048, 1000), (2348, 2049),
+                                     (2348, 2348)])
+def test_kernels_forward_rows_ending_in_empty_blocks(kernels, k, keys):
     """The forward takes blocks of 64 slots in pairs and stops after the last
-    block holding a key: rows whose keys fill only the first `keys` of k =
-    2048 slots (one block, an odd count, a lone slot in its block), and one
-    row without keys."""
-    q, kv, indices = make_inputs(np.random.default_rng(30), 4, 64, 2048, 3000, dtype=bfloat16, skip=0.1)
+    block holding a key: rows whose keys fill only the first `keys` of k
+    slots (one block, an odd count, a lone slot in its block; past k = 2048
+    the block count reads the row's tail in a second round of loads), and
+    one row without keys."""
+    q, kv, indices = make_inputs(np.random.default_rng(30), 4, 64, k, 3000, dtype=bfloat16, skip=0.1)
     indices[:, keys:] = -1
+    indices[:, keys - 1] = np.arange(4)  # the last slot with a key is `keys` - 1, whatever the skips
     indices[2] = -1
     check_forward("gpu", q, kv, indices)
 
