@@ -46,30 +46,6 @@ struct Tiles {
     unsigned char* p[2];    // each warpgroup's p tile: buffer 0's rope region, then the tile past the buffers
 };
 
-// Logits of k-steps FIRST .. LAST-1 (16 features each) of a key block for
-// all 64 heads; FRESH: the first step overwrites s. Issue only.
-template <int FIRST, int LAST, bool FRESH>
-__device__ __forceinline__ void issue_logits(float (&s)[32], const unsigned char* q_tile, const unsigned char* tile) {
-    #pragma unroll
-    for (int kk = FIRST; kk < LAST; ++kk)
-        wgmma_m64n64k16<F16, 0, 0>(s, wgmma_desc_k(q_tile, kk, 64), wgmma_desc_k(tile, kk, 64),
-                                   !FRESH || kk > FIRST);
-}
-
-// Bit 2j + e: slot b * BK + 8j + cq + e of query t holds a key (the columns of this thread's logits).
-__device__ __forceinline__ u32 valid_slots(const int* indices, int t, int k, int b, const Lane& ln) {
-    const int* row = indices + (size_t)t * k;
-    u32 bits = 0;
-    #pragma unroll
-    for (int j = 0; j < 8; ++j)
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int slot = b * BK + 8 * j + ln.cq + e;
-            if (slot < k && __ldg(row + slot) >= 0) bits |= 1u << (2 * j + e);
-        }
-    return bits;
-}
-
 // Logits to base-2 units (sl2 = scale * log2 e), -inf at skipped slots; mx: the rows' maxima over the block.
 __device__ __forceinline__ void scale_logits(float (&s)[32], u32 valid, float sl2, float (&mx)[2]) {
     mx[0] = mx[1] = neg_inf();

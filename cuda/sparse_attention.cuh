@@ -152,4 +152,28 @@ __device__ __forceinline__ void issue_rows32(float (&acc)[16], const unsigned ch
         wgmma_m64n32k16<F16, 0, 0>(acc, wgmma_desc_k(a, kk, 64), wgmma_desc_k(b, kk, 64), kk > 0);
 }
 
+// Logits of k-steps FIRST .. LAST-1 (16 features each) of a key block for
+// all 64 heads; FRESH: the first step overwrites s. Issue only.
+template <int FIRST, int LAST, bool FRESH>
+__device__ __forceinline__ void issue_logits(float (&s)[32], const unsigned char* q_tile, const unsigned char* tile) {
+    #pragma unroll
+    for (int kk = FIRST; kk < LAST; ++kk)
+        wgmma_m64n64k16<F16, 0, 0>(s, wgmma_desc_k(q_tile, kk, 64), wgmma_desc_k(tile, kk, 64),
+                                   !FRESH || kk > FIRST);
+}
+
+// Bit 2j + e: slot b * BK + 8j + cq + e of query t holds a key (the columns of this thread's logits).
+__device__ __forceinline__ u32 valid_slots(const int* indices, int t, int k, int b, const Lane& ln) {
+    const int* row = indices + (size_t)t * k;
+    u32 bits = 0;
+    #pragma unroll
+    for (int j = 0; j < 8; ++j)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int slot = b * BK + 8 * j + ln.cq + e;
+            if (slot < k && __ldg(row + slot) >= 0) bits |= 1u << (2 * j + e);
+        }
+    return bits;
+}
+
 }  // namespace

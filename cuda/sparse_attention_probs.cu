@@ -2,111 +2,152 @@
 // probability at each selected slot summed over a CTA's heads, from the
 // base-2 lse the forward (sparse_attention.cu) wrote.
 //
-// sa_forward_probs: two warpgroups walk the key blocks of query t; warpgroup
-// w computes the logits of the block's slots 32w .. 32w+31 for all 64 heads
-// (m64n32, K = 576, base-2 units), and the CTA sums exp2(logit - lse2) over
-// the heads in a fixed order.
+// sa_forward_probs: warpgroup w takes the key blocks w, w + 2, w + 4, ... of
+// query t, each into its own buffer, and needs no barrier of the other
+// warpgroup: the logits of a block for all 64 heads (m64n64, K = 576, the
+// left half's k-steps as soon as features 0..255 have landed), the next
+// block's left half gathered once the left k-steps have read the buffer and
+// its right half once all have, then the head sums of exp2(logit - lse2)
+// while that gather is in flight. While one warpgroup waits for its rows,
+// the other's products keep the tensor cores busy.
+//
+// The sums come in one fixed order: a thread's two rows, then the lanes of a
+// column (strides 4, 8, 16 of the lane index), then the warpgroup's four
+// warps in ascending order.
 #include "wgmma.cuh"
 #include "sparse_attention.cuh"
+#include "sync.cuh"
 
 namespace {
 
-struct WalkShared {
-    int idx[2][BK];  // the keys of the two buffers' slots
+constexpr int LEFT_STEPS = 256 / 16;  // k-steps of the logits in a buffer's left half (regions 0..3)
+constexpr int LEFT_REGIONS = 4;
+
+// This thread's place in its warpgroup's gathers: rows group + 16 r (r < 4),
+// 16-byte chunk `chunk` of each 128-byte region row (8 threads per row).
+struct GatherLane {
+    int group, chunk;
 };
 
-// Stages the next key block into its buffer (nothing past the last block)
-// and commits the thread's cp.async group either way.
-struct NextBlockGather {
-    unsigned char* tile;
-    int* idx;
-    const u16* kv;
-    int s;
-    bool exists;
-    __device__ __forceinline__ void operator()() const {
-        if (exists) {
-            stage_key_row<0, D / 32>(tile, kv, s);
-            record_key(idx, s);
-        }
-        cp_async_commit();
-    }
-};
-
-// Walk the key blocks of query t: `body(b, tile, idx, gather_next)` works on
-// block b and must call gather_next() once, which stages block b + 1 into the
-// other buffer (so the body can first issue its products, then the gather).
-// The body may use any barrier and must have waited for its own reads of the
-// tile (wgmma) before it returns: block b + 1 then reuses block b - 1's
-// buffers once every thread is past the next block's barrier. All threads
-// must call this.
-template <typename Body>
-__device__ __forceinline__ void for_each_key_block(unsigned char* kv_tiles, WalkShared& sh, const u16* kv,
-                                                   const int* indices, int t, int k, Body&& body) {
-    const int nb = (k + BK - 1) / BK;
-    const int s_first = slot_key(indices, t, k, 0);
-    int s_next = slot_key(indices, t, k, 1);
-    stage_key_row<0, D / 32>(kv_tiles, kv, s_first);
-    record_key(sh.idx[0], s_first);
-    cp_async_commit();
-    for (int b = 0; b < nb; ++b) {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();  // block b landed; block b - 1 done everywhere
-        const NextBlockGather gather_next{kv_tiles + ((b + 1) & 1) * KV_BYTES, sh.idx[(b + 1) & 1], kv, s_next,
-                                          b + 1 < nb};
-        s_next = slot_key(indices, t, k, b + 2);
-        body(b, kv_tiles + (b & 1) * KV_BYTES, sh.idx[b & 1], gather_next);
-    }
-    cp_async_wait<0>();
+__device__ __forceinline__ GatherLane gather_lane() {
+    return GatherLane{(int)(threadIdx.x & 127) >> 3, (int)threadIdx.x & 7};
 }
 
-// Logits of the block's slots 32w .. 32w+31 in base-2 units (scale * log2 e
-// folded in), -inf at skipped slots; the next block's gather is issued while the products run.
-__device__ __forceinline__ void block_logits(float (&s)[16], const unsigned char* q_tile, const unsigned char* tile,
-                                             const int* idx, const Lane& ln, float sl2,
-                                             const NextBlockGather& gather_next) {
-    zero(s);
-    mma_begin(s);
-    issue_rows32<0, D / 16>(s, q_tile, tile + ln.w * 32 * 128);
-    wgmma_commit();
-    gather_next();
-    wgmma_wait_all();
-    wgmma_fence_operands(s);
+// The keys of this thread's rows of block b of query t (-1: skipped or past k).
+__device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, int t, int k, int b,
+                                           const GatherLane& gl) {
     #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int r = 0; r < 4; ++r) keys[r] = slot_key_at(indices, t, k, b * BK + gl.group + 16 * r);
+}
+
+// Regions R0 .. R1-1 of the rows `keys` (zeros where a key is < 0) into
+// `tile`, committed as one cp.async group of this thread.
+template <int R0, int R1>
+__device__ __forceinline__ void gather_regions(unsigned char* tile, const u16* kv, const int (&keys)[4],
+                                               const GatherLane& gl) {
+    #pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int row = gl.group + 16 * r;
+        const u16* src = kv + (size_t)(keys[r] >= 0 ? keys[r] : 0) * D + gl.chunk * 8;
         #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            s[4 * j + e] = idx[ln.w * 32 + 8 * j + ln.cq + (e & 1)] >= 0 ? s[4 * j + e] * sl2 : neg_inf();
+        for (int region = R0; region < R1; ++region)
+            cp_async16(tile + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4), src + region * 64,
+                       keys[r] >= 0);
+    }
+    cp_async_commit();
 }
 
-// probs[slot] of this CTA's heads: sum over heads of exp2(logit - lse2), in a fixed order.
-__device__ __forceinline__ void block_probs(const float (&s)[16], const float (&lse2)[2], const bool (&live)[2],
-                                            float* col, float* probs_row, int b, int k, const Lane& ln) {
-    float cs[8];
+// Barrier of warpgroup w's 128 threads (constant ids: ptxas counts the barriers a kernel uses).
+__device__ __forceinline__ void warpgroup_sync(int w) {
+    if (w == 0) bar_sync(1, 128);
+    else bar_sync(2, 128);
+}
+
+// This warpgroup's cp.async groups up to the newest `pending` have landed
+// (every thread's), and the async proxy sees them.
+template <int PENDING>
+__device__ __forceinline__ void wait_rows(int w) {
+    cp_async_wait<PENDING>();
+    fence_proxy_async();
+    warpgroup_sync(w);
+    wgmma_fence();
+}
+
+// v[0 .. N-1] (N a power of two) summed over the 8 lanes of a column (lane
+// bits 2..4), each lane keeping N / 8 of the sums: at each stride a lane
+// keeps one half of its values and adds the partner's copy of that half,
+// the same pairs, in the same tree, as an all-reduce by stride 4, 8, 16.
+// Lane bits b4, b8, b16 keep entries 8 b4 + 4 b8 + 2 b16 + {0, 1} of 16.
+template <int N, int STRIDE = 4>
+__device__ __forceinline__ void column_sums(float (&v)[N]) {
+    constexpr int HALF = 2 * N / STRIDE;  // half of the entries still held: N / 2, N / 4, N / 8
+    const bool upper = threadIdx.x & STRIDE;
     #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < HALF; ++i) {
+        const float keep = upper ? v[i + HALF] : v[i], send = upper ? v[i] : v[i + HALF];
+        v[i] = keep + __shfl_xor_sync(FULL_MASK, send, STRIDE);
+    }
+    if constexpr (STRIDE < 16) column_sums<N, 2 * STRIDE>(v);
+}
+
+// probs[slot] of block b's slots over this warpgroup's heads: p = exp2(s -
+// lse2) (s in base-2 units, -inf at skipped slots; 0 on a row without a
+// key), the column sums of each warp into col[warp][64], then the four
+// warps' added in order by threads 0..63 of the warpgroup.
+__device__ __forceinline__ void block_probs(const float (&s)[32], const float (&lse2)[2], const bool (&live)[2],
+                                            float* col, float* probs_row, int b, int k, const Lane& ln) {
+    float cs[16];  // entry 2j + c: column 8j + cq + c over this thread's two rows
+    #pragma unroll
+    for (int j = 0; j < 8; ++j)
         #pragma unroll
         for (int c = 0; c < 2; ++c) {
             const float p0 = live[0] ? exp2f(s[4 * j + c] - lse2[0]) : 0.f;
             const float p1 = live[1] ? exp2f(s[4 * j + 2 + c] - lse2[1]) : 0.f;
             cs[2 * j + c] = p0 + p1;
         }
-    #pragma unroll
-    for (int i = 0; i < 8; ++i)
+    column_sums(cs);
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int j = 4 * ((lane >> 2) & 1) + 2 * ((lane >> 3) & 1) + ((lane >> 4) & 1);
+    *reinterpret_cast<float2*>(col + warp * BK + 8 * j + ln.cq) = make_float2(cs[0], cs[1]);
+    warpgroup_sync(ln.w);
+    const int c = threadIdx.x & 127;
+    if (c < BK && b * BK + c < k)
+        probs_row[b * BK + c] = ((col[c] + col[BK + c]) + col[2 * BK + c]) + col[3 * BK + c];
+}
+
+// Warpgroup w's blocks of query t: w, w + 2, ... < nb, block w's copies
+// already issued into `tile` (left half, then right half, two groups).
+__device__ __forceinline__ void run_warpgroup(const unsigned char* q_tile, unsigned char* tile, float* col,
+                                              const u16* kv, const int* indices, float* probs_row,
+                                              const float (&lse2)[2], const bool (&live)[2], int t, int k, int nb,
+                                              float sl2, const Lane& ln) {
+    const GatherLane gl = gather_lane();
+    int keys[4];
+    for (int b = ln.w; b < nb; b += 2) {
+        const bool next = b + 2 < nb;
+        if (next) block_keys(keys, indices, t, k, b + 2, gl);
+        const u32 valid = valid_slots(indices, t, k, b, ln);
+        float s[32];
+        wait_rows<1>(ln.w);  // the left half
+        mma_begin(s);
+        issue_logits<0, LEFT_STEPS, true>(s, q_tile, tile);
+        wgmma_commit();
+        wait_rows<0>(ln.w);  // the right half
+        issue_logits<LEFT_STEPS, D / 16, false>(s, q_tile, tile);
+        wgmma_commit();
+        wgmma_wait<1>();  // the left k-steps have read the left half
+        if (next) gather_regions<0, LEFT_REGIONS>(tile, kv, keys, gl);
+        else cp_async_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(s);
+        if (next) gather_regions<LEFT_REGIONS, D / 64>(tile, kv, keys, gl);
+        else cp_async_commit();
         #pragma unroll
-        for (int d = 4; d < 32; d <<= 1) cs[i] += __shfl_xor_sync(FULL_MASK, cs[i], d);
-    if ((threadIdx.x & 31) < 4)
-        #pragma unroll
-        for (int j = 0; j < 4; ++j)
-            #pragma unroll
-            for (int c = 0; c < 2; ++c) col[(threadIdx.x >> 5) * 32 + 8 * j + ln.cq + c] = cs[2 * j + c];
-    __syncthreads();
-    if (threadIdx.x < BK) {
-        const int c = threadIdx.x, first = (c >> 5) * 4;
-        const float* part = col + (c & 31);
-        const float v = ((part[first * 32] + part[(first + 1) * 32]) + part[(first + 2) * 32]) + part[(first + 3) * 32];
-        if (b * BK + c < k) probs_row[b * BK + c] = v;
+        for (int i = 0; i < 32; ++i)
+            s[i] = (valid >> (2 * (i >> 2) + (i & 1))) & 1 ? s[i] * sl2 : neg_inf();
+        block_probs(s, lse2, live, col, probs_row, b, k, ln);
     }
+    cp_async_wait<0>();
 }
 
 }  // namespace
@@ -118,14 +159,19 @@ __device__ __forceinline__ void block_probs(const float (&s)[16], const float (&
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 sa_forward_probs(const u16* q, const u16* kv, const int* indices, const float* lse2, float* probs, int h, int k,
                  float scale) {
-    __shared__ WalkShared sh;
     unsigned char* q_tile = aligned_dynamic_smem();
-    unsigned char* kv_tiles = q_tile + Q_BYTES;
-    float* col = reinterpret_cast<float*>(kv_tiles + 2 * KV_BYTES);  // [8 warps][32 columns]
-    const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
     const Lane ln = lane_geometry();
+    unsigned char* tile = q_tile + Q_BYTES + ln.w * KV_BYTES;  // this warpgroup's buffer
+    float* col = reinterpret_cast<float*>(q_tile + Q_BYTES + 2 * KV_BYTES) + ln.w * 4 * BK;  // [4 warps][64 slots]
+    const int groups = (h + BH - 1) / BH, t = blockIdx.x / groups, g = blockIdx.x % groups;
+    const int nb = (k + BK - 1) / BK;
     stage_heads<D>(q_tile, q, t, g, h);
     cp_async_commit();
+    const GatherLane gl = gather_lane();
+    int keys[4];
+    block_keys(keys, indices, t, k, ln.w, gl);  // past the last block: zeros, never read
+    gather_regions<0, LEFT_REGIONS>(tile, kv, keys, gl);
+    gather_regions<LEFT_REGIONS, D / 64>(tile, kv, keys, gl);
     float row_lse2[2];
     bool live[2];
     #pragma unroll
@@ -134,11 +180,9 @@ sa_forward_probs(const u16* q, const u16* kv, const int* indices, const float* l
         row_lse2[r] = head < h ? lse2[(size_t)t * h + head] : neg_inf();
         live[r] = row_lse2[r] != neg_inf();
     }
-    float* probs_row = probs + ((size_t)t * groups + g) * k;
-    for_each_key_block(kv_tiles, sh, kv, indices, t, k, [&](int b, const unsigned char* tile, const int* idx,
-                                                                   const NextBlockGather& gather_next) {
-        float s[16];
-        block_logits(s, q_tile, tile, idx, ln, scale * LOG2E, gather_next);
-        block_probs(s, row_lse2, live, col, probs_row, b, k, ln);
-    });
+    cp_async_wait<2>();  // the q tile
+    fence_proxy_async();
+    __syncthreads();
+    run_warpgroup(q_tile, tile, col, kv, indices, probs + ((size_t)t * groups + g) * k, row_lse2, live, t, k, nb,
+                  scale * LOG2E, ln);
 }
