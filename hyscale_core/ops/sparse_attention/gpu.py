@@ -25,7 +25,9 @@ block of 64 slots):
   final lse, so a second kernel walks the blocks again, recomputes the
   logits (about half the forward's tensor work again; skipped with
   ``want_probs=False``) and sums exp(logit - lse) over the heads in a fixed
-  order (head groups of h > 64 are added in order).
+  order (head groups of h > 64 are added in order); there each warpgroup
+  takes every other block in its own buffer and gathers its next block
+  under its own products.
 - backward: delta = rowsum(dout * out) in float32; per block p and dp are
   recomputed, ds = p (dp - delta) is rounded to 16-bit as an operand (and is
   exactly 0 on a row whose valid slots all hold one key, where p does not
