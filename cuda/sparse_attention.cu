@@ -46,6 +46,16 @@ struct Tiles {
     unsigned char* p[2];    // each warpgroup's p tile: buffer 0's rope region, then the tile past the buffers
 };
 
+// Logits of k-steps FIRST .. LAST-1 (16 features each) of a key block for
+// all 64 heads; FRESH: the first step overwrites s. Issue only.
+template <int FIRST, int LAST, bool FRESH>
+__device__ __forceinline__ void issue_logits(float (&s)[32], const unsigned char* q_tile, const unsigned char* tile) {
+    #pragma unroll
+    for (int kk = FIRST; kk < LAST; ++kk)
+        wgmma_m64n64k16<F16, 0, 0>(s, wgmma_desc_k(q_tile, kk, 64), wgmma_desc_k(tile, kk, 64),
+                                   !FRESH || kk > FIRST);
+}
+
 // Logits to base-2 units (sl2 = scale * log2 e), -inf at skipped slots; mx: the rows' maxima over the block.
 __device__ __forceinline__ void scale_logits(float (&s)[32], u32 valid, float sl2, float (&mx)[2]) {
     mx[0] = mx[1] = neg_inf();

@@ -152,14 +152,13 @@ __device__ __forceinline__ void issue_rows32(float (&acc)[16], const unsigned ch
         wgmma_m64n32k16<F16, 0, 0>(acc, wgmma_desc_k(a, kk, 64), wgmma_desc_k(b, kk, 64), kk > 0);
 }
 
-// Logits of k-steps FIRST .. LAST-1 (16 features each) of a key block for
-// all 64 heads; FRESH: the first step overwrites s. Issue only.
-template <int FIRST, int LAST, bool FRESH>
-__device__ __forceinline__ void issue_logits(float (&s)[32], const unsigned char* q_tile, const unsigned char* tile) {
+// acc[64 x 64] (+)= a b^T over k-steps FIRST .. LAST-1 as issue_rows32's, b
+// all 64 rows of its tile. Issue only; the caller fences and waits.
+template <int FIRST, int LAST>
+__device__ __forceinline__ void issue_rows64(float (&acc)[32], const unsigned char* a, const unsigned char* b) {
     #pragma unroll
     for (int kk = FIRST; kk < LAST; ++kk)
-        wgmma_m64n64k16<F16, 0, 0>(s, wgmma_desc_k(q_tile, kk, 64), wgmma_desc_k(tile, kk, 64),
-                                   !FRESH || kk > FIRST);
+        wgmma_m64n64k16<F16, 0, 0>(acc, wgmma_desc_k(a, kk, 64), wgmma_desc_k(b, kk, 64), kk > 0);
 }
 
 // Bit 2j + e: slot b * BK + 8j + cq + e of query t holds a key (the columns of this thread's logits).

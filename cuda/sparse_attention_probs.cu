@@ -130,10 +130,10 @@ __device__ __forceinline__ void run_warpgroup(const unsigned char* q_tile, unsig
         float s[32];
         wait_rows<1>(ln.w);  // the left half
         mma_begin(s);
-        issue_logits<0, LEFT_STEPS, true>(s, q_tile, tile);
+        issue_rows64<0, LEFT_STEPS>(s, q_tile, tile);
         wgmma_commit();
         wait_rows<0>(ln.w);  // the right half
-        issue_logits<LEFT_STEPS, D / 16, false>(s, q_tile, tile);
+        issue_rows64<LEFT_STEPS, D / 16>(s, q_tile, tile);
         wgmma_commit();
         wgmma_wait<1>();  // the left k-steps have read the left half
         if (next) gather_regions<0, LEFT_REGIONS>(tile, kv, keys, gl);
