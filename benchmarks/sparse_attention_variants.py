@@ -42,16 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-_GATHER = """            cp_async16(tl.buf[buf] + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4), src + region * 64,
-                       keys[r] >= 0);"""
-_GATHER_LOOP = """    #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int row = gl.group + 16 * r;
-        const u16* src = kv + (size_t)(keys[r] >= 0 ? keys[r] : 0) * D + gl.chunk * 8;
-        #pragma unroll
-        for (int region = R0; region < R1; ++region)
-""" + _GATHER + """
-    }"""
+_GATHER = "    gather_regions<R0, R1>(tl.buf[buf], kv, keys, gl);"  # the forward's copies of a buffer half
 _EVICT_LAST_LOOP = """    const u64 policy = l2_evict_last();
     const u32 base = __shfl_sync(FULL_MASK, smem_addr(tl.buf[buf]), 0);  // no uniform part in the address
     #pragma unroll
@@ -103,7 +94,7 @@ def forward_variant(text: str, variant: str, path: Path = Path("cuda/sparse_atte
             text = _replace(text, old, new, path)
         return text
     if variant == "products_only":
-        return _replace(text, _GATHER, "            (void)src;", path)
+        return _replace(text, _GATHER, "    (void)keys;", path)
     raise SystemExit(f"{variant!r} is not one of {', '.join(FORWARD_CUTS)}")
 
 
@@ -117,7 +108,7 @@ def patch(tree: Path, variant: str) -> None:
         for old in cuts[variant]:
             text = _replace(text, old, "", kernel)
     elif variant == "evict_last":
-        text = _replace(text, _GATHER_LOOP, _EVICT_LAST_LOOP, kernel)
+        text = _replace(text, _GATHER, _EVICT_LAST_LOOP, kernel)
         tiles = tree / "cuda" / "tiles.cuh"
         anchor = "__device__ __forceinline__ void cp_async_commit()"
         tiles.write_text(_replace(tiles.read_text(), anchor, _COPY_AT + anchor, tiles))

@@ -155,23 +155,6 @@ __device__ __forceinline__ void wait_half(PairShared& sh, int buf, int half, int
     wgmma_fence();
 }
 
-// This thread's place in gathering a block half: rows group + 16 r (r < 4),
-// 16-byte chunk `chunk` of each 128-byte region row (8 threads per row).
-struct GatherLane {
-    int group, chunk;
-};
-
-__device__ __forceinline__ GatherLane gather_lane() {
-    return GatherLane{(int)(threadIdx.x & 127) >> 3, (int)threadIdx.x & 7};
-}
-
-// The keys of this thread's rows of block b of query t (-1: skipped or past k).
-__device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, int t, int k, int b,
-                                           const GatherLane& gl) {
-    #pragma unroll
-    for (int r = 0; r < 4; ++r) keys[r] = slot_key_at(indices, t, k, b * BK + gl.group + 16 * r);
-}
-
 // This warpgroup gathers regions R0 .. R1-1 of a block's kv rows (zeros
 // where a key is < 0) into buffer `buf`; ready[buf][half] completes once they land.
 // Plain copies. Under an L2 evict-last policy (cp_async16's policy overload,
@@ -182,15 +165,7 @@ __device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, i
 template <int R0, int R1>
 __device__ __forceinline__ void gather_half(PairShared& sh, const Tiles& tl, int buf, int half, const u16* kv,
                                             const int (&keys)[4], const GatherLane& gl) {
-    #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int row = gl.group + 16 * r;
-        const u16* src = kv + (size_t)(keys[r] >= 0 ? keys[r] : 0) * D + gl.chunk * 8;
-        #pragma unroll
-        for (int region = R0; region < R1; ++region)
-            cp_async16(tl.buf[buf] + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4), src + region * 64,
-                       keys[r] >= 0);
-    }
+    gather_regions<R0, R1>(tl.buf[buf], kv, keys, gl);
     cp_async_arrive(&sh.ready[buf][half]);
 }
 

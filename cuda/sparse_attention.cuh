@@ -111,6 +111,41 @@ __device__ __forceinline__ int slot_key(const int* indices, int t, int k, int b)
     return slot_key_at(indices, t, k, b * BK + (threadIdx.x >> 2));
 }
 
+// This thread's place in its warpgroup's gathers of a key block: rows
+// group + 16 r (r < 4), 16-byte chunk `chunk` of each 128-byte region row
+// (8 threads per row).
+struct GatherLane {
+    int group, chunk;
+};
+
+__device__ __forceinline__ GatherLane gather_lane() {
+    return GatherLane{(int)(threadIdx.x & 127) >> 3, (int)threadIdx.x & 7};
+}
+
+// The keys of this thread's rows of block b of query t (-1: skipped or past k).
+__device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, int t, int k, int b,
+                                           const GatherLane& gl) {
+    #pragma unroll
+    for (int r = 0; r < 4; ++r) keys[r] = slot_key_at(indices, t, k, b * BK + gl.group + 16 * r);
+}
+
+// This thread's copies of regions R0 .. R1-1 (64 features each) of the rows
+// `keys` into a key tile's region layout (zeros where a key is < 0); the
+// caller commits them or has them arrive on a barrier.
+template <int R0, int R1>
+__device__ __forceinline__ void gather_regions(unsigned char* tile, const u16* kv, const int (&keys)[4],
+                                               const GatherLane& gl) {
+    #pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int row = gl.group + 16 * r;
+        const u16* src = kv + (size_t)(keys[r] >= 0 ? keys[r] : 0) * D + gl.chunk * 8;
+        #pragma unroll
+        for (int region = R0; region < R1; ++region)
+            cp_async16(tile + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4), src + region * 64,
+                       keys[r] >= 0);
+    }
+}
+
 // This thread's share of gathering kv row s (zeros when s < 0) into row
 // threadIdx.x / 4 of a key tile, chunks as stage_row's (i < 8 covers
 // features 0..255, the first 4 regions). The rows are kept in L2 over

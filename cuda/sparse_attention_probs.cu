@@ -23,37 +23,11 @@ namespace {
 constexpr int LEFT_STEPS = 256 / 16;  // k-steps of the logits in a buffer's left half (regions 0..3)
 constexpr int LEFT_REGIONS = 4;
 
-// This thread's place in its warpgroup's gathers: rows group + 16 r (r < 4),
-// 16-byte chunk `chunk` of each 128-byte region row (8 threads per row).
-struct GatherLane {
-    int group, chunk;
-};
-
-__device__ __forceinline__ GatherLane gather_lane() {
-    return GatherLane{(int)(threadIdx.x & 127) >> 3, (int)threadIdx.x & 7};
-}
-
-// The keys of this thread's rows of block b of query t (-1: skipped or past k).
-__device__ __forceinline__ void block_keys(int (&keys)[4], const int* indices, int t, int k, int b,
-                                           const GatherLane& gl) {
-    #pragma unroll
-    for (int r = 0; r < 4; ++r) keys[r] = slot_key_at(indices, t, k, b * BK + gl.group + 16 * r);
-}
-
-// Regions R0 .. R1-1 of the rows `keys` (zeros where a key is < 0) into
-// `tile`, committed as one cp.async group of this thread.
+// gather_regions of the rows `keys` into `tile`, committed as one cp.async group of this thread.
 template <int R0, int R1>
-__device__ __forceinline__ void gather_regions(unsigned char* tile, const u16* kv, const int (&keys)[4],
-                                               const GatherLane& gl) {
-    #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int row = gl.group + 16 * r;
-        const u16* src = kv + (size_t)(keys[r] >= 0 ? keys[r] : 0) * D + gl.chunk * 8;
-        #pragma unroll
-        for (int region = R0; region < R1; ++region)
-            cp_async16(tile + region * REGION + row * 128 + ((gl.chunk ^ (row & 7)) << 4), src + region * 64,
-                       keys[r] >= 0);
-    }
+__device__ __forceinline__ void gather_group(unsigned char* tile, const u16* kv, const int (&keys)[4],
+                                             const GatherLane& gl) {
+    gather_regions<R0, R1>(tile, kv, keys, gl);
     cp_async_commit();
 }
 
@@ -136,11 +110,11 @@ __device__ __forceinline__ void run_warpgroup(const unsigned char* q_tile, unsig
         issue_rows64<LEFT_STEPS, D / 16>(s, q_tile, tile);
         wgmma_commit();
         wgmma_wait<1>();  // the left k-steps have read the left half
-        if (next) gather_regions<0, LEFT_REGIONS>(tile, kv, keys, gl);
+        if (next) gather_group<0, LEFT_REGIONS>(tile, kv, keys, gl);
         else cp_async_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(s);
-        if (next) gather_regions<LEFT_REGIONS, D / 64>(tile, kv, keys, gl);
+        if (next) gather_group<LEFT_REGIONS, D / 64>(tile, kv, keys, gl);
         else cp_async_commit();
         #pragma unroll
         for (int i = 0; i < 32; ++i)
@@ -170,8 +144,8 @@ sa_forward_probs(const u16* q, const u16* kv, const int* indices, const float* l
     const GatherLane gl = gather_lane();
     int keys[4];
     block_keys(keys, indices, t, k, ln.w, gl);  // past the last block: zeros, never read
-    gather_regions<0, LEFT_REGIONS>(tile, kv, keys, gl);
-    gather_regions<LEFT_REGIONS, D / 64>(tile, kv, keys, gl);
+    gather_group<0, LEFT_REGIONS>(tile, kv, keys, gl);
+    gather_group<LEFT_REGIONS, D / 64>(tile, kv, keys, gl);
     float row_lse2[2];
     bool live[2];
     #pragma unroll
