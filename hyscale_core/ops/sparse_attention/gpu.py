@@ -358,7 +358,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, d_v: int, scale: f
             with side:
                 sum_rows_by_key(chunk_rows, pairs, starts, k, passes, dkv, defines, sms=spare)
                 summed = side.record()
-            held = (pairs, starts)
+            held = (pairs, starts)  # alive until the side stream's sums are waited for (the pool must not reuse them)
         else:
             sum_rows_by_key(chunk_rows, pairs, starts, k, passes, dkv, defines)
     return dq.view(q.dtype), narrow(dkv, kv.dtype)
