@@ -89,7 +89,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[4 * J], float scal
         for (int i = 0; i < 4; ++i) {
             const int row = 4 * i + (lane >> 3), chunk = lane & 7, slot = first_slot + row;
             const uint4 v = *reinterpret_cast<const uint4*>(stage + row * 128 + (((chunk ^ row) & 7) << 4));
-            if (keep[i]) __stcs(reinterpret_cast<uint4*>(rows + (size_t)slot * D + 8 * j0) + chunk, v);  // read once, much later
+            if (keep[i])  // streaming: each row is read once, by the per-key sums after the chunk
+                __stcs(reinterpret_cast<uint4*>(rows + (size_t)slot * D + 8 * j0) + chunk, v);
         }
         __syncwarp();
     }
