@@ -67,7 +67,8 @@ __device__ __forceinline__ void column_sums(float (&v)[N]) {
 // probs[slot] of block b's slots over this warpgroup's heads: p = exp2(s -
 // lse2) (s in base-2 units, -inf at skipped slots; 0 on a row without a
 // key), the column sums of each warp into col[warp][64], then the four
-// warps' added in order by threads 0..63 of the warpgroup.
+// warps' added in order by threads 0..63 of the warpgroup. col is free again
+// once every thread of the warpgroup is past its next barrier (wait_rows').
 __device__ __forceinline__ void block_probs(const float (&s)[32], const float (&lse2)[2], const bool (&live)[2],
                                             float* col, float* probs_row, int b, int k, const Lane& ln) {
     float cs[16];  // entry 2j + c: column 8j + cq + c over this thread's two rows
@@ -143,7 +144,7 @@ sa_forward_probs(const u16* q, const u16* kv, const int* indices, const float* l
     cp_async_commit();
     const GatherLane gl = gather_lane();
     int keys[4];
-    block_keys(keys, indices, t, k, ln.w, gl);  // past the last block: zeros, never read
+    block_keys(keys, indices, t, k, ln.w, gl);  // past the last block: zeros, never read, drained at the end
     gather_group<0, LEFT_REGIONS>(tile, kv, keys, gl);
     gather_group<LEFT_REGIONS, D / 64>(tile, kv, keys, gl);
     float row_lse2[2];
