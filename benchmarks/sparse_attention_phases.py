@@ -134,18 +134,19 @@ def instrumented_source(source: str) -> str:
 def spans(points: np.ndarray, pairs: int) -> dict:
     """Medians over sampled CTAs (cycles) of the item's phases from the points [ctas, POINTS]."""
     at = lambda i, j: points[:, 8 + 16 * i + j]  # noqa: E731
+    cta = {name: points[:, slot] for slot, name in _CTA_POINTS.items()}
     last = min(pairs, PAIRS) - 1
     mids = range(1, last - 1) if last >= 3 else range(0)
-    out = {
-        "counted": np.median(points[:, 1] - points[:, 0]),
-        "q": np.median(points[:, 2] - points[:, 0]),
-        "first": np.median(at(0, 0) - points[:, 0]),
+    loop_end = np.maximum(cta["wg0 loop end"], cta["wg1 loop end"])
+    return {
+        "counted": np.median(cta["counted"] - cta["start"]),
+        "q": np.median(cta["q landed"] - cta["start"]),
+        "first": np.median(at(0, 0) - cta["start"]),
         "pair first": np.median(at(1, 0) - at(0, 0)) if last >= 1 else np.nan,
         "pair middle": np.median(np.concatenate([at(i + 1, 0) - at(i, 0) for i in mids])) if mids else np.nan,
-        "pair last": np.median(points[:, 3] - at(last, 0)),
-        "out": np.median(np.maximum(points[:, 5], points[:, 6]) - np.maximum(points[:, 3], points[:, 4])),
+        "pair last": np.median(cta["wg0 loop end"] - at(last, 0)),
+        "out": np.median(np.maximum(cta["wg0 out"], cta["wg1 out"]) - loop_end),
     }
-    return out
 
 
 def _pair_parts(points: np.ndarray, i: int) -> dict:
