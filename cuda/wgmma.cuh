@@ -45,9 +45,19 @@ __device__ __forceinline__ u32 swizzled_offset(int row, int chunk, int rows) {
     return (u32)(region * rows * 128 + row * 128 + ((c ^ (row & 7)) << 4));
 }
 
-// Descriptor for k-step `kk` (16 elements) of an operand of `rows` rows.
+// `desc` moved on by `bytes` (a multiple of 16): the start address field
+// (bits 0-13, the shared address over 16) takes the offset without a carry
+// while the operand stays in the 256 KiB shared window, so only the low word
+// changes, and with a constant offset that is one add per k-step.
+__device__ __forceinline__ u64 wgmma_desc_advance(u64 desc, u32 bytes) {
+    const u32 lo = (u32)desc + (bytes >> 4), hi = (u32)(desc >> 32);
+    return ((u64)hi << 32) | lo;
+}
+
+// Descriptor for k-step `kk` (16 elements) of an operand of `rows` rows: the
+// same bits as wgmma_desc at that k-step's address.
 __device__ __forceinline__ u64 wgmma_desc_k(const unsigned char* base, int kk, int rows) {
-    return wgmma_desc(base + (kk >> 2) * rows * 128 + (kk & 3) * 32);
+    return wgmma_desc_advance(wgmma_desc(base), (u32)((kk >> 2) * rows * 128 + (kk & 3) * 32));
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
