@@ -8,16 +8,19 @@
 
 namespace {
 
-// Start key tile `k_tile` times the query tile as one committed wgmma group
+// Start key tile `k_tile` times half HALF of the query tile (accumulator
+// columns 128 HALF ..: queries HALF * TQ / 2 ..) as one committed wgmma group
 // (the first k-step overwrites, so the previous tile's values go); it is in
-// flight on return, and tile_scores waits for it.
-__device__ __forceinline__ void issue_tile(float (&acc)[QROWS / 2], const unsigned char* k_tile,
+// flight on return, and stream_group waits for it.
+template <int HALF>
+__device__ __forceinline__ void issue_half(float (&acc)[QROWS / 4], const unsigned char* k_tile,
                                            const unsigned char* q_tile) {
     wgmma_fence_operands(acc);
     wgmma_fence();
     #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_m64n256k16<F16>(acc, wgmma_desc_k(k_tile, kk, KT), wgmma_desc_k(q_tile, kk, QROWS), kk > 0);
+        wgmma_m64n128k16<F16>(acc, wgmma_desc_k(k_tile, kk, KT),
+                              wgmma_desc_k(q_tile + HALF * (QROWS / 2) * 128, kk, QROWS), kk > 0);
     wgmma_commit();
     wgmma_fence_operands(acc);
 }
@@ -65,16 +68,21 @@ __device__ __forceinline__ int w_slot(int col) {
 }
 
 // This lane's part of the head-weighted ReLU sums s[qi][rr] of key rows
-// key_row(rr): its columns, 8-column blocks in ascending order.
-__device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 2], const float* w_s, float (&s)[TQ][2]) {
-    static_assert(ROW_BLOCKS % 2 == 0, "blocks in pairs");
+// key_row(rr) over half HALF of its columns (acc: that half's accumulator),
+// 8-column blocks in ascending order. The low half's sums come first, so
+// each query's sum takes the order of the whole row (H = 256: one query
+// over both halves).
+template <int HALF>
+__device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 4], const float* w_s, float (&s)[TQ][2]) {
+    static_assert(ROW_BLOCKS % 4 == 0, "half rows of whole block pairs");
     const int quad = threadIdx.x & 3;
     #pragma unroll
-    for (int pair = 0; pair < ROW_BLOCKS / 2; ++pair) {
+    for (int hp = 0; hp < ROW_BLOCKS / 4; ++hp) {
+        const int pair = HALF * ROW_BLOCKS / 4 + hp;
         const float4 w4 = *reinterpret_cast<const float4*>(w_s + 16 * pair + 4 * quad);
         #pragma unroll
         for (int b = 0; b < 2; ++b) {
-            const int j = 2 * pair + b, qi = j / QUERY_BLOCKS;  // block j of query qi
+            const int j = 2 * hp + b, qi = (2 * pair + b) / QUERY_BLOCKS;  // block j of the half, of query qi
             const float w0 = b ? w4.z : w4.x, w1 = b ? w4.w : w4.y;
             s[qi][0] = fmaf(w0, fmaxf(acc[4 * j + 0], 0.f), s[qi][0]);
             s[qi][0] = fmaf(w1, fmaxf(acc[4 * j + 1], 0.f), s[qi][0]);
@@ -82,6 +90,17 @@ __device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 2], const f
             s[qi][1] = fmaf(w1, fmaxf(acc[4 * j + 3], 0.f), s[qi][1]);
         }
     }
+}
+
+// Wait for the low half issue_half<0> started (the high half may stay in
+// flight) and leave this lane's head sums of its queries in part (the high
+// half's queries zero, for head_sums<1> to add).
+__device__ __forceinline__ void low_sums(float (&lo_acc)[QROWS / 4], const float* w_s, float (&part)[TQ][2]) {
+    #pragma unroll
+    for (int qi = 0; qi < TQ; ++qi) part[qi][0] = part[qi][1] = 0.f;
+    wgmma_wait<1>();
+    wgmma_fence_operands(lo_acc);
+    head_sums<0>(lo_acc, w_s, part);
 }
 
 // owned[m][rr]: the sum over the four lanes of a quad of their parts
@@ -132,16 +151,9 @@ __device__ __forceinline__ void quad_sums(const float (&part)[TQ][2], float (&ow
     }
 }
 
-// Wait for the tile issue_tile started and leave this lane's scores in
-// owned (quad_sums), with one NaN (0x7FFFFFFF) and no -0.0 (a sum that
-// underflowed from below reads +0.0). The accumulator is free on return.
-__device__ __forceinline__ void tile_scores(float (&acc)[QROWS / 2], const float* w_s, float (&owned)[OWNED][2]) {
-    float part[TQ][2];
-    #pragma unroll
-    for (int qi = 0; qi < TQ; ++qi) part[qi][0] = part[qi][1] = 0.f;
-    wgmma_wait<0>();
-    wgmma_fence_operands(acc);
-    head_sums(acc, w_s, part);
+// Leave this lane's scores in owned from its parts (quad_sums), with one NaN
+// (0x7FFFFFFF) and no -0.0 (a sum that underflowed from below reads +0.0).
+__device__ __forceinline__ void tile_scores(const float (&part)[TQ][2], float (&owned)[OWNED][2]) {
     quad_sums(part, owned);
     #pragma unroll
     for (int m = 0; m < OWNED; ++m)
@@ -215,34 +227,45 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
     for (int j = 0; j < min(n_tiles, STAGES); ++j)  // one committed group per tile, empty ones too
         load_key_tile(k_tiles, p, begin, j);
     for (int j = n_tiles; j < STAGES; ++j) cp_async_commit();
-    float acc[QROWS / 2];
+    float lo_acc[QROWS / 4], hi_acc[QROWS / 4];  // the two halves' accumulators
     #pragma unroll
-    for (int i = 0; i < QROWS / 2; ++i) acc[i] = 0.f;
-    // Every issue_tile reaches tile_scores' waits on every path through the
-    // loop's back edge, with no exit in between: ptxas serialises every wgmma
-    // of the kernel (C7514, C7518) when it cannot see that.
+    for (int i = 0; i < QROWS / 4; ++i) lo_acc[i] = hi_acc[i] = 0.f;
+    float part[TQ][2];  // this lane's head sums of the tile in hand (low half first)
     if (n_tiles > 0) {
         cp_async_wait<STAGES - 1>();  // the query tile and key tile 0
         fence_proxy_async();
         __syncthreads();
-        issue_tile(acc, k_tiles, q_tile);
+        issue_half<0>(lo_acc, k_tiles, q_tile);
+        issue_half<1>(hi_acc, k_tiles, q_tile);
+        low_sums(lo_acc, w_s, part);
         int flag = 0;
+        // A wait that leaves a group in flight (wgmma_wait<1>) sees only
+        // groups issued in the same pass of the loop; at the back edge only
+        // a high half is in flight, and the loop's first wait takes it. In
+        // other forms ptxas serialises every wgmma of the kernel (C7514).
         for (int j = 0;; ++j) {
-            float owned[OWNED][2];
-            tile_scores(acc, w_s, owned);
+            wgmma_wait<0>();  // tile j's high half
+            wgmma_fence_operands(hi_acc);
+            head_sums<1>(hi_acc, w_s, part);
             cp_async_wait<STAGES - 2>();  // key tile j + 1, where there is one
             fence_proxy_async();
-            // Every warp is past tile j's group and consume(j - 1); the
+            // Every warp is past tile j's products and consume(j - 1); the
             // barrier ORs consume(j - 1)'s flags.
             if (__syncthreads_or(flag)) settle(begin + j * KT);
+            float owned[OWNED][2];
             if (j + 1 == n_tiles) {  // the last tile: nothing left to overlap
+                tile_scores(part, owned);
                 consume(begin + j * KT, owned);
                 break;
             }
-            issue_tile(acc, k_tiles + ((j + 1) % STAGES) * K_BYTES, q_tile);
+            const unsigned char* next = k_tiles + ((j + 1) % STAGES) * K_BYTES;
+            issue_half<0>(lo_acc, next, q_tile);
+            issue_half<1>(hi_acc, next, q_tile);
             if (j + STAGES < n_tiles) load_key_tile(k_tiles, p, begin, j + STAGES);  // into tile j's stage
             else cp_async_commit();
-            flag = consume(begin + j * KT, owned);  // overlaps tile j + 1's products
+            tile_scores(part, owned);
+            low_sums(lo_acc, w_s, part);            // overlaps tile j + 1's high half
+            flag = consume(begin + j * KT, owned);
         }
     }
     cp_async_wait<0>();

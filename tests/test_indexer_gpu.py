@@ -55,7 +55,7 @@ MASKS = {
 }
 
 
-@pytest.mark.parametrize("heads, dim", [(64, 128), (32, 128), (128, 64), (8, 64), (64, 192), (16, 256)])
+@pytest.mark.parametrize("heads, dim", [(64, 128), (32, 128), (128, 64), (256, 64), (8, 64), (64, 192), (16, 256)])
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("topk", [1, 7, 64, 2048])
 def test_streaming_equals_materialised(heads, dim, mask, topk):
@@ -262,8 +262,10 @@ def test_candidate_buffers_past_32_bit_offsets_are_refused(monkeypatch):
         hs.indexer_topk(q, k, w, 16)
 
 
-def test_scores_match_float64_reference_and_cpu_selection():
-    (q, k, w), (hq, hk, hw) = device_inputs(512, 512, 64, 128, seed=4)
+# heads 256: one query's columns span both halves of the tile's products
+@pytest.mark.parametrize("heads, dim", [(64, 128), (256, 64), (8, 64)])
+def test_scores_match_float64_reference_and_cpu_selection(heads, dim):
+    (q, k, w), (hq, hk, hw) = device_inputs(512, 512, heads, dim, seed=4)
     scores = to_host(hs.indexer_scores(q, k, w))
     lo, hi = candidate_ranges(512, 512, True)
     ref = reference.indexer_scores(hq, hk, hw, lo, hi)
