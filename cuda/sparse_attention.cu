@@ -393,8 +393,7 @@ __device__ __forceinline__ void write_output(const float (&o)[128], float (&l)[2
             if (lse2 != nullptr) lse2[(size_t)t * h + head] = base2;
         }
     }
-    if (ln.w == 0) bar_sync(BAR_OUT, 128);  // constant ids: ptxas counts the barriers a kernel uses
-    else bar_sync(BAR_OUT + 1, 128);
+    warpgroup_sync<BAR_OUT>(ln.w);
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     #pragma unroll 4
     for (int row = warp; row < BH && g * BH + row < h; row += 4) {  // lane: the row's 16-byte chunk

@@ -31,11 +31,7 @@ __device__ __forceinline__ void gather_group(unsigned char* tile, const u16* kv,
     cp_async_commit();
 }
 
-// Barrier of warpgroup w's 128 threads (constant ids: ptxas counts the barriers a kernel uses).
-__device__ __forceinline__ void warpgroup_sync(int w) {
-    if (w == 0) bar_sync(1, 128);
-    else bar_sync(2, 128);
-}
+constexpr int BAR_WARPGROUP = 1;  // named barriers 1 and 2: warpgroup 0's and 1's
 
 // This warpgroup's cp.async groups up to the newest `pending` have landed
 // (every thread's), and the async proxy sees them.
@@ -43,7 +39,7 @@ template <int PENDING>
 __device__ __forceinline__ void wait_rows(int w) {
     cp_async_wait<PENDING>();
     fence_proxy_async();
-    warpgroup_sync(w);
+    warpgroup_sync<BAR_WARPGROUP>(w);
     wgmma_fence();
 }
 
@@ -84,7 +80,7 @@ __device__ __forceinline__ void block_probs(const float (&s)[32], const float (&
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int j = 4 * ((lane >> 2) & 1) + 2 * ((lane >> 3) & 1) + ((lane >> 4) & 1);
     *reinterpret_cast<float2*>(col + warp * BK + 8 * j + ln.cq) = make_float2(cs[0], cs[1]);
-    warpgroup_sync(ln.w);
+    warpgroup_sync<BAR_WARPGROUP>(ln.w);
     const int c = threadIdx.x & 127;
     if (c < BK && b * BK + c < k)
         probs_row[b * BK + c] = ((col[c] + col[BK + c]) + col[2 * BK + c]) + col[3 * BK + c];

@@ -43,6 +43,14 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Named barrier ID0 + w over warpgroup w's 128 threads (w = 0 or 1). The ids
+// stay constants in each branch: ptxas counts the barriers a kernel uses.
+template <int ID0>
+__device__ __forceinline__ void warpgroup_sync(int w) {
+    if (w == 0) bar_sync(ID0, 128);
+    else bar_sync(ID0 + 1, 128);
+}
+
 // One thread: `bytes` (a multiple of 16, both addresses 16-byte aligned)
 // from shared to global memory by the bulk-copy engine, as a bulk group of
 // its own. The shared source must be fenced (fence.proxy.async) after its
