@@ -38,6 +38,19 @@ def check_gradients(build, inputs, rtol=1e-5, eps=1e-6):
         t.grad = None
 
 
+@pytest.mark.parametrize("rows", [1, 7, 63, 300])
+def test_matmul_rows_keep_their_bits_whatever_rows_share_the_call(rows):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((301, 256)).astype(np.float32)
+    w = rng.standard_normal((256, 192)).astype(np.float32)
+    full = ops.rowwise_matmul(x, w)
+    np.testing.assert_allclose(full, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+    for start in (0, 1, 301 - rows):
+        part = ops.rowwise_matmul(x[start:start + rows], w)
+        assert part.tobytes() == full[start:start + rows].tobytes()
+    assert ops.rowwise_matmul(x.reshape(7, 43, 256), w).tobytes() == full.tobytes()
+
+
 def test_matmul_gradients():
     rng = np.random.default_rng(0)
     x, w = leaf(rng, 2, 3, 4, name="x"), leaf(rng, 4, 5, name="w")

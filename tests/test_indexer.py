@@ -87,6 +87,22 @@ def test_query_shards_with_q_pos(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_query_shards_score_bitwise_as_one_call(backend):
+    # 64 heads x 128 features: products large enough that a BLAS may pick
+    # row-count-dependent kernels; a shard puts its queries at other rows
+    rng = np.random.default_rng(5)
+    q, k, w = make_inputs(rng, 300, 300, heads=64, dim=128)
+    full = to_host(hs.indexer_scores(*on(backend, q, k, w)))
+    _, full_picked = hs.indexer_topk(*on(backend, q, k, w), 63, return_scores=True)
+    for start, stop in [(0, 1), (1, 8), (8, 71), (71, 300)]:
+        pos = np.arange(start, stop)
+        shard = hs.indexer_scores(*on(backend, q[start:stop], k, w[start:stop]), q_pos=pos)
+        assert same_bits(to_host(shard), full[start:stop])
+        _, picked = hs.indexer_topk(*on(backend, q[start:stop], k, w[start:stop]), 63, q_pos=pos, return_scores=True)
+        assert same_bits(to_host(picked), to_host(full_picked)[start:stop])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_rows_shorter_than_topk_end_in_minus_one(backend):
     rng = np.random.default_rng(2)
     q, k, w = make_inputs(rng, 63, 63)

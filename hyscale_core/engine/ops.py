@@ -13,12 +13,27 @@ from .._backend import array_module, to_host
 from .tensor import Function, Tensor
 
 
+def rowwise_matmul(x, w):
+    """x [..., i] @ w [i, o] -> [..., o], on NumPy arrays one BLAS product per row.
+
+    Some BLAS kernels (OpenBLAS's Haswell sgemm, for one) give a row other
+    bits in a product of another row count or at another row; products of
+    one row each keep a row's bits whatever rows share the call, so a
+    sequence shard computes the bits one process does. CuPy arrays take one
+    product.
+    """
+    if not isinstance(x, np.ndarray):
+        return x @ w
+    rows = x.reshape(-1, 1, x.shape[-1])
+    return np.matmul(rows, w).reshape(*x.shape[:-1], w.shape[-1])
+
+
 class MatMul(Function):
     """x [..., i] @ w [i, o] -> [..., o]."""
 
     def forward(self, x, w):
         self.save(x if self.needs_input_grad[1] else None, w if self.needs_input_grad[0] else None)
-        return x @ w
+        return rowwise_matmul(x, w)
 
     def backward(self, g):
         x, w = self.saved

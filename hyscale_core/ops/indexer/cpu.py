@@ -2,11 +2,15 @@
 
 Queries go in blocks of ``Q_BLOCK``; each block streams over key tiles of
 ``K_TILE`` that hold at least one of its candidates (fully masked tiles are
-skipped). A tile's logits ``q_block @ k_tile.T`` come from NumPy's BLAS, the
-ReLU, head-weighted sum and mask from one Numba kernel. ``indexer_scores``
-writes the tiles into the table; ``indexer_topk`` feeds them to a per-query
-candidate buffer with a running threshold, so it holds O(Q_BLOCK * topk)
-selection state plus one tile, never the table. Both run the same tile code
+skipped). A tile's logits come from NumPy's BLAS, one product per query
+(``q[t] @ k_tile.T``, [H, D] by [D, S]), the ReLU, head-weighted sum and
+mask from one Numba kernel. A query's logits thus never depend on which
+block it sits in or where: some BLAS kernels (OpenBLAS's Haswell sgemm, for
+one) give a row other bits in a product of another row count or at another
+row, and a query shard puts its queries at other rows of their blocks.
+``indexer_scores`` writes the tiles into the table; ``indexer_topk`` feeds
+them to a per-query candidate buffer with a running threshold, so it holds
+O(Q_BLOCK * topk) selection state plus one tile, never the table. Both run the same tile code
 on the same tile shapes, so their scores (and hence selections) are
 bitwise identical.
 """
@@ -32,9 +36,9 @@ NEG_INF_KEY = np.uint64(0x007FFFFF)  # key of -inf: the running threshold starts
 
 @njit(cache=True, nogil=True)
 def weighted_relu(logits, w, lo, hi, s0, out):
-    """out[t, s] = sum_h w[t, h] * relu(logits[t*H + h, s]), -inf outside [lo, hi).
+    """out[t, s] = sum_h w[t, h] * relu(logits[t, h, s]), -inf outside [lo, hi).
 
-    logits float32 [T*H, S], w float32 [T, H], lo/hi int64 [T], out float32 [T, S].
+    logits float32 [T, H, S], w float32 [T, H], lo/hi int64 [T], out float32 [T, S].
     The head sum runs in float32 in order h = 0 .. H-1.
     """
     n_t, n_heads = w.shape
@@ -46,7 +50,7 @@ def weighted_relu(logits, w, lo, hi, s0, out):
         acc[:] = zero
         for h in range(n_heads):
             wh = w[t, h]
-            row = logits[t * n_heads + h]
+            row = logits[t, h]
             for s in range(n_s):
                 x = row[s]
                 acc[s] += wh * (x if x > zero else zero)  # relu(NaN) = 0, like fmaxf
@@ -147,14 +151,14 @@ def _block_tiles(q_block: np.ndarray, k32: np.ndarray, w_block: np.ndarray, lo: 
     """
     n_k, dim = k32.shape
     first, last = int(lo.min()), int(hi.max())
-    queries = np.ascontiguousarray(q_block, dtype=np.float32).reshape(-1, dim)
-    logits_buf = np.empty((queries.shape[0], K_TILE), dtype=np.float32)
+    queries = np.ascontiguousarray(q_block, dtype=np.float32)  # [T, H, D]: one BLAS product per query
+    logits_buf = np.empty((queries.shape[0], queries.shape[1], K_TILE), dtype=np.float32)
     tile_buf = np.empty((q_block.shape[0], K_TILE), dtype=np.float32)
     for s0 in range((first // K_TILE) * K_TILE, last, K_TILE):
         s1 = min(s0 + K_TILE, n_k)
         if not np.any((lo < s1) & (hi > s0)):
             continue
-        logits, tile = logits_buf[:, :s1 - s0], tile_buf[:, :s1 - s0]
+        logits, tile = logits_buf[:, :, :s1 - s0], tile_buf[:, :s1 - s0]
         np.matmul(queries, k32[s0:s1].T, out=logits)
         weighted_relu(logits, w_block, lo, hi, s0, tile)
         yield s0, s1, tile
