@@ -3,8 +3,9 @@ forward's phase marks still find the kernel code they rewrite, the phases'
 summaries read their records right, ncu_regions splits a source view where
 the warps synchronise, the slot orders of sparse_attention_order keep each
 row's keys (with torch only), ab_runs alternates trees and merges their
-rows, ab_trees copies commits for it, and the indexer accuracy check
-counts picks outside the exact top-k."""
+rows, ab_trees copies commits for it, the indexer accuracy check
+counts picks outside the exact top-k, and indexer_bits compares two trees'
+outputs byte for byte."""
 from __future__ import annotations
 
 import json
@@ -232,3 +233,24 @@ def test_ab_trees_copy_commits_without_results_and_git_ignores_them(tmp_path, ca
 
     ab_trees.main(["--repo", str(tmp_path), "--remove", "feature/x", "HEAD"])
     assert not (tmp_path / "ab_feature-x").exists() and not (tmp_path / "ab_HEAD").exists()
+
+
+def test_indexer_bits_compares_bytes_and_refuses_one_package_twice(tmp_path, capsys):
+    import numpy as np
+
+    from benchmarks import indexer_bits
+
+    scores = np.array([[1.5, 0.0, -np.inf]], dtype=np.float32)
+    np.savez(tmp_path / "a.npz", package=np.array("/trees/a"), sc_x=scores, idx_x=np.array([[0, 1]]))
+    np.savez(tmp_path / "b.npz", package=np.array("/trees/b"), sc_x=scores.copy(), idx_x=np.array([[0, 1]]))
+    indexer_bits.main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "b.npz")])
+    assert "IDENTICAL (2 arrays)" in capsys.readouterr().out
+    other = scores.copy()
+    other[0, 1] = -0.0  # equal as numbers, not as bits
+    np.savez(tmp_path / "c.npz", package=np.array("/trees/c"), sc_x=other, idx_x=np.array([[0, 1]]))
+    with pytest.raises(SystemExit) as stop:
+        indexer_bits.main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "c.npz")])
+    assert stop.value.code == 1 and "DIFFERENT: sc_x" in capsys.readouterr().out
+    np.savez(tmp_path / "d.npz", package=np.array("/trees/a"), sc_x=scores, idx_x=np.array([[0, 1]]))
+    with pytest.raises(SystemExit, match="compare nothing"):
+        indexer_bits.main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "d.npz")])
