@@ -109,7 +109,10 @@ __device__ void prune_stored(GroupShared& sh, const StoredCandidates& c, uint2* 
 
 // The same cut for a buffer of at most HELD * THREADS candidates (k up to
 // 2528 at the default buffer of 2k + 64), loaded into registers once, all
-// loads in flight together: thread t holds candidates u * THREADS + t. The
+// loads issued before any key is formed, so that they are in flight
+// together (a load followed by its key at each step made ptxas wait for
+// every load in turn: 16k cycles a prune): thread t holds candidates u *
+// THREADS + t. The
 // passes skip the high bits every key shares (block minimum and maximum),
 // so the first one spreads over the bins. Kept small: a prune's code evicts
 // the tile loop of both CTAs on the SM from the instruction cache.
@@ -118,12 +121,14 @@ struct HeldCandidates {
     u32 key[HELD], idx[HELD];
     u32 n;
     __device__ HeldCandidates(const uint2* c, u32 count) : n(count) {
+        const u32 last = max(n, 1u) - 1u;  // past the end: a repeat load of the last pair (or of slot 0)
+        uint2 v[HELD];
+        #pragma unroll
+        for (int u = 0; u < HELD; ++u) v[u] = c[min(u * THREADS + threadIdx.x, last)];
         #pragma unroll
         for (int u = 0; u < HELD; ++u) {
-            const u32 i = u * THREADS + threadIdx.x;
-            const uint2 v = i < n ? c[i] : make_uint2(0u, 0u);
-            key[u] = i < n ? score_key(v.x) : 0u;
-            idx[u] = v.y;
+            key[u] = holds(u) ? score_key(v[u].x) : 0u;
+            idx[u] = v[u].y;
         }
     }
     __device__ bool holds(int u) const { return u * THREADS + threadIdx.x < n; }
@@ -248,12 +253,42 @@ __device__ PickRange load_picks(GroupShared& sh, const SortArea& a, const uint2*
     return r;
 }
 
+// After the sort by keys (stable, so equal keys keep their loaded order):
+// put each run of equal keys among the first n picks in ascending index
+// order, each run by the thread that holds its first position (an insertion
+// sort; only the indices move). Returns false where some run is longer than
+// TIE_RUN_MAX (its thread leaves it; the caller sorts again by index and
+// key). All threads call this.
+constexpr u32 TIE_RUN_MAX = 32;
+__device__ bool order_tie_runs(const SortArea& a, int at, u32 n) {
+    const u32* key = a.key(at);
+    u32* idx = a.idx(at);
+    bool too_long = false;
+    #pragma unroll 1
+    for (u32 j = threadIdx.x; j + 1 < n; j += THREADS) {
+        if (key[j] != key[j + 1] || (j > 0 && key[j - 1] == key[j])) continue;  // not the first of a run
+        u32 end = j + 2;
+        while (end < n && key[end] == key[j] && end - j <= TIE_RUN_MAX) ++end;
+        if (end - j > TIE_RUN_MAX) {
+            too_long = true;
+            continue;
+        }
+        for (u32 i = j + 1; i < end; ++i) {
+            const u32 x = idx[i];
+            u32 m = i;
+            for (; m > j && idx[m - 1] > x; --m) idx[m] = idx[m - 1];
+            idx[m] = x;
+        }
+    }
+    return !__syncthreads_or(too_long);
+}
+
 // Sort the n loaded picks, key descending then index ascending; returns
-// which array pair holds them. Keys alone first: only where two picks share
-// a key does it sort again by index and key (stable LSD passes, so the
-// first order does not matter then). Both rounds go through one call site,
-// so the sort is inlined once (two calls made the tail 1138 -> 1599 SASS
-// instructions).
+// which array pair holds them. Keys alone first, then the runs of equal keys
+// put in index order (order_tie_runs); only where a run is too long for that
+// does it sort again by index and key (stable LSD passes, so the first order
+// does not matter then). Both rounds go through one call site, so the sort
+// is inlined once (two calls made the tail 1138 -> 1599 SASS instructions).
 __device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r, u32 n, u32 n_pad) {
     int at = 0;
     #pragma unroll 1
@@ -262,10 +297,7 @@ __device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r
                                                           (int)n_pad, by_index ? bytes_of(r.idx_hi - r.idx_lo) : 0,
                                                           bytes_of(r.key_hi - r.key_lo), r.key_lo, r.idx_lo,
                                                           reinterpret_cast<u16*>(sh.hist), sh.scratch);
-        bool tie = false;
-        #pragma unroll 4
-        for (u32 j = threadIdx.x; j + 1 < n && !by_index; j += THREADS) tie |= a.key(at)[j] == a.key(at)[j + 1];
-        if (!__syncthreads_or(tie)) break;
+        if (by_index || order_tie_runs(a, at, n)) break;
     }
     return at;
 }

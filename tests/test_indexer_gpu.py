@@ -219,6 +219,25 @@ def test_guesses_with_ties_nan_and_short_rows(monkeypatch, topk):
     assert counts, "no guess failed: the reselection path went untested"
 
 
+@pytest.mark.parametrize("mask", ["causal", "non_causal"])
+@pytest.mark.parametrize("topk", [64, 300, 2048])
+def test_runs_of_tied_picks(mask, topk):
+    """Keys repeated in blocks of 1 to 65, so the picks hold runs of equal scores of those lengths: the
+    final sort puts runs of up to 32 (TIE_RUN_MAX) in index order in place, and sorts again by index
+    where a run is longer. Either way the rows equal the materialised selection."""
+    import cupy
+
+    rng = np.random.default_rng(topk)
+    lengths = np.resize([1, 2, 3, 31, 32, 33, 34, 65], 90)
+    distinct = rng.standard_normal((lengths.size, 128))
+    k = np.repeat(distinct, lengths, axis=0)[rng.permutation(lengths.sum())].astype(bfloat16)
+    n = k.shape[0]
+    q = rng.standard_normal((n, 64, 128)).astype(bfloat16)
+    w = (rng.standard_normal((n, 64)) / 8).astype(np.float32)
+    q, k, w = (cupy.asarray(a) for a in (q, k, w))
+    assert_streaming_equals_materialised(q, k, w, topk, MASKS[mask])
+
+
 def test_every_score_tied():
     """q = 0: every visible key scores exactly 0, so every prune cuts a buffer of
     candidates that share all their bits and keeps the lowest indices."""
