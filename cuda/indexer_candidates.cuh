@@ -302,11 +302,16 @@ __device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r
     return at;
 }
 
-// Cut query qi's candidates to its top k, sort them and write its output row.
+// Cut query qi's candidates to a superset of its top k, sort them and write
+// the first k as its output row. The cut may stop at a radix bucket that
+// leaves at most FINAL_SLACK picks past k (the sort orders them with the
+// rest, so the first k are the top k in order), and a query with no more
+// candidates than that sorts them all, uncut.
+constexpr u32 FINAL_SLACK = 64;
 __device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32 k, const SortArea& area,
                                 int* out_idx, float* out_scores) {
-    // k <= SORT_CAP pairs fit the stage.
-    const bool staged = sh.count[qi] > k && prune(sh, buf, qi, k, k, area.stage());
+    const u32 most = min(k + FINAL_SLACK, (u32)SORT_CAP);  // k <= SORT_CAP; the stage holds SORT_CAP pairs
+    const bool staged = sh.count[qi] > most && prune(sh, buf, qi, k, most, area.stage());
     const u32 n = sh.count[qi];
     const u32 n_pad = max((n + THREADS - 1) / THREADS, 1u) * THREADS;
     const PickRange range = load_picks(sh, area, staged ? area.stage() : buf.pairs + buf.at(sh.flip[qi], qi), n, n_pad);
