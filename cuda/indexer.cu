@@ -36,7 +36,8 @@
 // (by key, then lower index) and the threshold rises to the k-th key. Tiles
 // go in ascending key order, so a later key equal to the threshold ranks
 // below every kept one: the strict test is exact. The end of the stream
-// cuts to k and sorts. An append that fills a buffer raises a flag, the
+// cuts to at most k + FINAL_SLACK (a radix bucket), sorts, and writes the
+// first k. An append that fills a buffer raises a flag, the
 // tile's barrier ORs the flags, and the prunes run right after it, before
 // the next tile's products are issued (no per-tile barrier of their own).
 //

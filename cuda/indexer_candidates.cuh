@@ -108,14 +108,14 @@ __device__ void prune_stored(GroupShared& sh, const StoredCandidates& c, uint2* 
 }
 
 // The same cut for a buffer of at most HELD * THREADS candidates (k up to
-// 2528 at the default buffer of 2k + 64), loaded into registers once, all
-// loads issued before any key is formed, so that they are in flight
-// together (a load followed by its key at each step made ptxas wait for
-// every load in turn: 16k cycles a prune): thread t holds candidates u *
-// THREADS + t. The
-// passes skip the high bits every key shares (block minimum and maximum),
-// so the first one spreads over the bins. Kept small: a prune's code evicts
-// the tile loop of both CTAs on the SM from the instruction cache.
+// 2528 at the default buffer of 2k + 64), loaded into registers once:
+// thread t holds candidates u * THREADS + t. Every load is issued before
+// any key is formed, so all are in flight together (a load followed by its
+// key at each step made ptxas wait for each load in turn: 16k cycles a
+// prune). The passes skip the high bits every key shares (block minimum
+// and maximum), so the first one spreads over the bins. Kept small: a
+// prune's code evicts the tile loop of both CTAs on the SM from the
+// instruction cache.
 constexpr int HELD = 40;
 struct HeldCandidates {
     u32 key[HELD], idx[HELD];
