@@ -263,31 +263,23 @@ __device__ __forceinline__ u32 sort_digit(const K* key, const u32* idx, int p, b
     return by_idx ? (~(idx[p] - idx_base) >> shift) & 255u : (u32)((key[p] - key_base) >> shift) & 255u;
 }
 
-// The lanes whose 8-bit digit equals this lane's d. All 32 lanes must call this.
-__device__ __forceinline__ u32 warp_digit_peers(u32 d) {
+// digit << 16 | the lane's rank among the warp's pairs of digit d so far
+// (`mine[d]`, this warp's count, plus the lower lanes with the same digit);
+// then mine[d] counts this call's lanes too. All 32 lanes must call this.
+__device__ __forceinline__ u32 warp_digit_rank(u32 d, u16* mine) {
+    const u32 lower = (1u << lane_id()) - 1u;
     u32 peers = FULL_MASK;
     #pragma unroll
     for (int b = 0; b < 8; ++b) {
         const u32 ones = __ballot_sync(FULL_MASK, (d >> b) & 1u);
         peers &= ((d >> b) & 1u) ? ones : ~ones;
     }
-    return peers;
-}
-
-// digit << 16 | the lane's rank among the warp's pairs of digit d so far
-// (`mine[d]`, this warp's count, plus the lower lanes with the same digit,
-// `peers` from warp_digit_peers); then mine[d] counts this call's lanes
-// too. All 32 lanes must call this.
-__device__ __forceinline__ u32 warp_take_rank(u32 d, u32 peers, u16* mine) {
-    const u32 lower = (1u << lane_id()) - 1u;
     const u32 rank = d << 16 | (mine[d] + __popc(peers & lower));
     __syncwarp();
     if ((peers & lower) == 0) mine[d] += (u16)__popc(peers);
     __syncwarp();
     return rank;
 }
-
-__device__ __forceinline__ u32 warp_digit_rank(u32 d, u16* mine) { return warp_take_rank(d, warp_digit_peers(d), mine); }
 
 // Each (warp, digit) count becomes the first output slot of that warp's
 // pairs of that digit, in (digit descending, warp ascending) order; WARPS,
@@ -379,24 +371,14 @@ __device__ bool block_radix_sort_desc_looped(K* key, u32* idx, K* key2, u32* idx
         const int shift = 8 * (by_idx ? pass : pass - idx_passes);
         for (int d = lane; d < 256; d += 32) mine[d] = 0;
         __syncwarp();
-        // Two rounds of 32 positions a step: their ballots are independent and
-        // overlap, and only the counts in mine[] go round by round (the
-        // lower positions first, so the sort stays stable). Each step's
-        // digits are read one step ahead, so their loads are not behind the
-        // previous step's barrier-like __syncwarp. per_warp is a multiple of
-        // 32, so `p + 32 < end` is the same in every lane.
-        const auto digit_at = [&](int p) {
-            return p < end ? sort_digit(src_key, src_idx, p, by_idx, shift, key_base, idx_base) : 0u;
-        };
-        u32 d0 = digit_at(begin), d1 = digit_at(begin + 32);
+        // Each digit is read one step ahead, so its load is not behind the
+        // previous step's barrier-like __syncwarp.
+        u32 digit = begin < end ? sort_digit(src_key, src_idx, begin, by_idx, shift, key_base, idx_base) : 0u;
         #pragma unroll 1
-        for (int p = begin; p < end; p += 64) {
-            const u32 next0 = digit_at(p + 64), next1 = digit_at(p + 96);
-            const u32 peers0 = warp_digit_peers(d0), peers1 = warp_digit_peers(d1);
-            ranks[p] = warp_take_rank(d0, peers0, mine);
-            if (p + 32 < end) ranks[p + 32] = warp_take_rank(d1, peers1, mine);
-            d0 = next0;
-            d1 = next1;
+        for (int p = begin; p < end; p += 32) {
+            const u32 next = p + 32 < end ? sort_digit(src_key, src_idx, p + 32, by_idx, shift, key_base, idx_base) : 0u;
+            ranks[p] = warp_digit_rank(digit, mine);
+            digit = next;
         }
         __syncthreads();
         block_digit_offsets<WARPS>(counts, scratch);
