@@ -101,7 +101,12 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
     buf.cta_base = blockIdx.x * 2 * TQ * (u32)buf.cap;
     const u32 k = (u32)topk;
     const SortArea sort_area{reinterpret_cast<u32*>(smem)};  // the query tile and key stages, after a stream
+    probe_begin(sh);
+    const u32 probe_t0 = probe_start_clock();
+    Probe probe(sh);
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
+        probe.mark(P_NEXT_GROUP);
+        probe.count(N_GROUPS, 1);
         const int t0 = sh.group * TQ;
         const OwnedRanges range(sh);
         // The owned queries' append state in registers; only a settle changes
@@ -167,6 +172,7 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
             read_state();
         };
         stream_group(sh, p, q_tile, k_tiles, w_s, append, settle);
+        probe.restart();
         for (int qi = 0; qi < TQ && t0 + qi < p.n_q; ++qi) {
             // Fewer than k candidates after a guess: the threshold was too high.
             if (threadIdx.x == 0 && sh.guess[qi] == GUESS_MADE && sh.count[qi] < k)
@@ -174,7 +180,9 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
             write_selection(sh, buf, qi, k, sort_area, out_idx + (size_t)(t0 + qi) * topk,
                             out_scores ? out_scores + (size_t)(t0 + qi) * topk : nullptr);
         }
+        probe.mark(P_FINAL);
     }
+    probe_end(sh, probe_t0);
 }
 
 __device__ void scores_cta(const Problem& p, int* work_counter, float* table) {

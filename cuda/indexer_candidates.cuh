@@ -290,9 +290,12 @@ __device__ bool order_tie_runs(const SortArea& a, int at, u32 n) {
 // does not matter then). Both rounds go through one call site, so the sort
 // is inlined once (two calls made the tail 1138 -> 1599 SASS instructions).
 __device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r, u32 n, u32 n_pad) {
+    Probe probe(sh);
     int at = 0;
     #pragma unroll 1
     for (int by_index = 0; by_index < 2 && n > 1; ++by_index) {
+        probe.count(N_SORT_ROUNDS, 1);
+        probe.count(N_SORT_PASSES, (by_index ? bytes_of(r.idx_hi - r.idx_lo) : 0) + bytes_of(r.key_hi - r.key_lo));
         at ^= block_radix_sort_desc_looped<THREADS / 32>(a.key(at), a.idx(at), a.key(at ^ 1), a.idx(at ^ 1), a.ranks(),
                                                           (int)n_pad, by_index ? bytes_of(r.idx_hi - r.idx_lo) : 0,
                                                           bytes_of(r.key_hi - r.key_lo), r.key_lo, r.idx_lo,
@@ -310,18 +313,27 @@ __device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r
 constexpr u32 FINAL_SLACK = 64;
 __device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32 k, const SortArea& area,
                                 int* out_idx, float* out_scores) {
+    Probe probe(sh);
     const u32 most = min(k + FINAL_SLACK, (u32)SORT_CAP);  // k <= SORT_CAP; the stage holds SORT_CAP pairs
+    if (sh.count[qi] > most) {
+        probe.count(N_FINAL_PRUNES, 1);
+        probe.count(N_FINAL_CANDIDATES, sh.count[qi]);
+    }
     const bool staged = sh.count[qi] > most && prune(sh, buf, qi, k, most, area.stage());
+    probe.mark(P_FINAL_PRUNE);
     const u32 n = sh.count[qi];
     const u32 n_pad = max((n + THREADS - 1) / THREADS, 1u) * THREADS;
     const PickRange range = load_picks(sh, area, staged ? area.stage() : buf.pairs + buf.at(sh.flip[qi], qi), n, n_pad);
+    probe.mark(P_FINAL_LOAD);
     const int at = sort_picks(sh, area, range, n, n_pad);
+    probe.mark(P_FINAL_SORT);
     #pragma unroll 4
     for (u32 j = threadIdx.x; j < k; j += THREADS) {
         out_idx[j] = j < n ? (int)area.idx(at)[j] : -1;
         if (out_scores) out_scores[j] = __uint_as_float(j < n ? key_to_bits(area.key(at)[j]) : NEG_INF_BITS);
     }
     __syncthreads();
+    probe.mark(P_FINAL_WRITE);
 }
 
 }  // namespace

@@ -17,6 +17,9 @@ using namespace hs;
 #ifndef HS_IDX_F16
 #define HS_IDX_F16 0
 #endif
+#ifndef HS_IDX_PROBE
+#define HS_IDX_PROBE 0  // 1: the timeline probe (indexer_probe.cuh)
+#endif
 
 namespace {
 
@@ -63,8 +66,13 @@ struct GroupShared {
     int lo[TQ], hi[TQ];
     u32 count[TQ], thr[TQ], flip[TQ];
     u32 guess[TQ];  // GUESS_OPEN, then GUESS_MADE or GUESS_NONE once the guess is due
+#if HS_IDX_PROBE
+    u32 probe[32];  // the timeline probe's slots (indexer_probe.cuh)
+#endif
 };
 
 constexpr u32 GUESS_OPEN = 0, GUESS_MADE = 1, GUESS_NONE = 2;
 
 }  // namespace
+
+#include "indexer_probe.cuh"

@@ -95,12 +95,15 @@ __device__ __forceinline__ void head_sums(const float (&acc)[QROWS / 4], const f
 // Wait for the low half issue_half<0> started (the high half may stay in
 // flight) and leave this lane's head sums of its queries in part (the high
 // half's queries zero, for head_sums<1> to add).
-__device__ __forceinline__ void low_sums(float (&lo_acc)[QROWS / 4], const float* w_s, float (&part)[TQ][2]) {
+__device__ __forceinline__ void low_sums(float (&lo_acc)[QROWS / 4], const float* w_s, float (&part)[TQ][2],
+                                         Probe& probe) {
     #pragma unroll
     for (int qi = 0; qi < TQ; ++qi) part[qi][0] = part[qi][1] = 0.f;
     wgmma_wait<1>();
     wgmma_fence_operands(lo_acc);
+    probe.mark(P_WAIT_LO);
     head_sums<0>(lo_acc, w_s, part);
+    probe.mark(P_LO_SUMS);
 }
 
 // owned[m][rr]: the sum over the four lanes of a quad of their parts
@@ -216,6 +219,7 @@ __device__ bool next_group(GroupShared& sh, const Problem& p, int* work_counter,
 template <typename Consume, typename Settle>
 __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q_tile, unsigned char* k_tiles,
                              const float* w_s, Consume&& consume, Settle&& settle) {
+    Probe probe(sh);
     int first = 0x7FFFFFFF, last = 0;
     for (int qi = 0; qi < TQ; ++qi)
         if (sh.hi[qi] > sh.lo[qi]) {
@@ -237,7 +241,8 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
         __syncthreads();
         issue_half<0>(lo_acc, k_tiles, q_tile);
         issue_half<1>(hi_acc, k_tiles, q_tile);
-        low_sums(lo_acc, w_s, part);
+        probe.mark(P_ISSUE);
+        low_sums(lo_acc, w_s, part, probe);
         int flag = 0;
         // A wait that leaves a group in flight (wgmma_wait<1>) sees only
         // groups issued in the same pass of the loop; at the back edge only
@@ -246,16 +251,26 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
         for (int j = 0;; ++j) {
             wgmma_wait<0>();  // tile j's high half
             wgmma_fence_operands(hi_acc);
+            probe.mark(P_WAIT_HI);
             head_sums<1>(hi_acc, w_s, part);
+            probe.mark(P_HI_SUMS);
             cp_async_wait<STAGES - 2>();  // key tile j + 1, where there is one
             fence_proxy_async();
+            probe.mark(P_COPY_WAIT);
+            probe.count(N_TILES, 1);
             // Every warp is past tile j's products and consume(j - 1); the
             // barrier ORs consume(j - 1)'s flags.
-            if (__syncthreads_or(flag)) settle(begin + j * KT);
+            const bool settle_now = __syncthreads_or(flag);
+            probe.mark(P_BARRIER);
+            if (settle_now) {
+                settle(begin + j * KT);
+                probe.mark(P_SETTLE);
+            }
             float owned[OWNED][2];
             if (j + 1 == n_tiles) {  // the last tile: nothing left to overlap
                 tile_scores(part, owned);
                 consume(begin + j * KT, owned);
+                probe.mark(P_CONSUME);
                 break;
             }
             const unsigned char* next = k_tiles + ((j + 1) % STAGES) * K_BYTES;
@@ -263,9 +278,12 @@ __device__ void stream_group(GroupShared& sh, const Problem& p, unsigned char* q
             issue_half<1>(hi_acc, next, q_tile);
             if (j + STAGES < n_tiles) load_key_tile(k_tiles, p, begin, j + STAGES);  // into tile j's stage
             else cp_async_commit();
+            probe.mark(P_ISSUE);
             tile_scores(part, owned);
-            low_sums(lo_acc, w_s, part);            // overlaps tile j + 1's high half
+            probe.mark(P_TILE_SCORES);
+            low_sums(lo_acc, w_s, part, probe);     // overlaps tile j + 1's high half
             flag = consume(begin + j * KT, owned);
+            probe.mark(P_CONSUME);
         }
     }
     cp_async_wait<0>();

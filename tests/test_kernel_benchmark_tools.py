@@ -4,8 +4,9 @@ summaries read their records right, ncu_regions splits a source view where
 the warps synchronise, the slot orders of sparse_attention_order keep each
 row's keys (with torch only), ab_runs alternates trees and merges their
 rows, ab_trees copies commits for it, the indexer accuracy check
-counts picks outside the exact top-k, and indexer_bits compares two trees'
-outputs byte for byte."""
+counts picks outside the exact top-k, indexer_bits compares two trees'
+outputs byte for byte, and indexer_timeline reads the probe's slots in
+the kernel's order."""
 from __future__ import annotations
 
 import json
@@ -254,3 +255,28 @@ def test_indexer_bits_compares_bytes_and_refuses_one_package_twice(tmp_path, cap
     np.savez(tmp_path / "d.npz", package=np.array("/trees/a"), sc_x=scores, idx_x=np.array([[0, 1]]))
     with pytest.raises(SystemExit, match="compare nothing"):
         indexer_bits.main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "d.npz")])
+
+
+def test_indexer_timeline_slots_follow_the_kernel_and_sum_up():
+    """The probe's slot names are cuda/indexer_probe.cuh's enum in order, and
+    the summary turns slot sums into shares, cycles per tile and per query."""
+    import re
+
+    from benchmarks import indexer_timeline as tl
+
+    enum = (ROOT / "cuda" / "indexer_probe.cuh").read_text()
+    body = re.search(r"enum ProbeSlot \{(.*?)\};", enum, re.S).group(1)
+    names = [n.strip() for n in body.replace("\n", " ").split(",") if n.strip()]
+    assert names[-1] == "PROBE_SLOTS"
+    as_python = [re.sub(r"^[PN]_", "", n).lower() for n in names[:-1]]
+    assert as_python == tl.SLOTS
+
+    slots = dict.fromkeys(tl.SLOTS, 0)
+    slots.update(issue=400, hi_sums=100, final=300, next_group=100, final_sort=200, tiles=2, groups=1,
+                 total_cycles=1000, final_prunes=2, final_candidates=6000, sort_rounds=4, sort_passes=12)
+    summary = tl.summarise([slots[n] for n in tl.SLOTS], queries=4)
+    assert summary["steps"]["issue"] == {"share_pct": 40.0, "cycles_per_tile": 200.0}
+    assert summary["cycles_per_tile"] == 500.0 and summary["unaccounted_pct"] == 10.0
+    assert summary["final_per_query"]["final"] == 75 and summary["final_per_query"]["final_sort"] == 50
+    assert summary["candidates_per_final_prune"] == 3000.0 and summary["sort_passes_per_query"] == 3.0
+    assert "issue" in tl.report(summary)

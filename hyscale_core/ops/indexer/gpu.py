@@ -50,6 +50,10 @@ GUESS_MIN = 96
 # Score-table bytes per query block when topk is past the kernel's sort.
 TABLE_BLOCK_BYTES = 1 << 30
 POISON_OUTPUTS = False  # tests set this: outputs start as garbage, so unwritten slots show
+# benchmarks/indexer_timeline.py sets this: the kernels are built with the
+# timeline probe (cuda/indexer_probe.cuh), which sums cycles per step into
+# the module's global hs_idx_probe; off, the probe compiles to nothing.
+PROBE = False
 
 
 def _config(q, topk: int | None):
@@ -61,7 +65,7 @@ def _config(q, topk: int | None):
     if topk is not None and topk > sort_cap:
         return None
     f16 = np.dtype(q.dtype) == np.float16
-    defines = (f"HS_IDX_HEADS={heads}", f"HS_IDX_DIM={dim}", f"HS_IDX_F16={int(f16)}")
+    defines = (f"HS_IDX_HEADS={heads}", f"HS_IDX_DIM={dim}", f"HS_IDX_F16={int(f16)}") + (("HS_IDX_PROBE=1",) if PROBE else ())
     smem = 1024 + QROWS * dim * 2 + STAGES * KT * dim * 2 + QROWS * 4  # 1024: alignment slack
     return defines, smem, QROWS // heads, (np.float16 if f16 else bfloat16)
 
