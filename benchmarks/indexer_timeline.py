@@ -15,7 +15,6 @@ as cycles per CTA-tile, then the final selection's pieces per query;
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -113,8 +112,7 @@ def main(argv=None) -> None:
         row = {"impl": "indexer_topk with the timeline probe", "config": {"n": args.n, "heads": args.heads,
                "dim": args.dim, "topk": args.k, "ctas_per_sm": args.ctas_per_sm}, "wall_ms": round(wall_ms, 2),
                **summary}
-        print(json.dumps(row)[:200], "...")
-        write_results("indexer_timeline", gpu_device(), [row], Path(args.out))
+        print("wrote", write_results("indexer_timeline", gpu_device(), [row], Path(args.out)))
 
 
 if __name__ == "__main__":

@@ -101,8 +101,7 @@ __device__ void topk_cta(const Problem& p, int topk, int* work_counter, Buffers 
     buf.cta_base = blockIdx.x * 2 * TQ * (u32)buf.cap;
     const u32 k = (u32)topk;
     const SortArea sort_area{reinterpret_cast<u32*>(smem)};  // the query tile and key stages, after a stream
-    probe_begin(sh);
-    const u32 probe_t0 = probe_start_clock();
+    const u32 probe_t0 = probe_begin(sh);
     Probe probe(sh);
     while (next_group(sh, p, work_counter, q_tile, w_s)) {
         probe.mark(P_NEXT_GROUP);

@@ -3,7 +3,8 @@
 // work and thread 0 sums each step's cycles (and a few counts) in shared
 // memory; at the end the CTA adds them to the global hs_idx_probe. With
 // HS_IDX_PROBE=0 (the library's build) every mark compiles to nothing.
-// Included by indexer_config.cuh, after GroupShared.
+// The score kernel runs the same marks into slots it never zeroes or
+// reports. Included by indexer_config.cuh, after GroupShared.
 #pragma once
 
 namespace {
@@ -42,6 +43,14 @@ struct Probe {
         if (threadIdx.x == 0) slots[slot] += n;
     }
 };
+
+// Zero the CTA's slots (all threads, before any mark); returns the clock the
+// CTA's cycles count from.
+__device__ u32 probe_begin(GroupShared& sh) {
+    for (int i = threadIdx.x; i < PROBE_SLOTS; i += blockDim.x) sh.probe[i] = 0;
+    __syncthreads();
+    return probe_clock();
+}
 #else
 struct Probe {
     __device__ explicit Probe(GroupShared&) {}
@@ -49,6 +58,7 @@ struct Probe {
     __device__ __forceinline__ void mark(ProbeSlot) {}
     __device__ __forceinline__ void count(ProbeSlot, u32) {}
 };
+__device__ __forceinline__ u32 probe_begin(GroupShared&) { return 0; }
 #endif
 
 }  // namespace
@@ -57,27 +67,20 @@ struct Probe {
 extern "C" {
 __device__ unsigned long long hs_idx_probe[PROBE_SLOTS];
 }
+#endif
 
 namespace {
-// Zero the CTA's slots (all threads, before any mark) and, at the end, add
-// them and the CTA's cycles to hs_idx_probe.
-__device__ void probe_begin(GroupShared& sh) {
-    for (int i = threadIdx.x; i < PROBE_SLOTS; i += blockDim.x) sh.probe[i] = 0;
-    __syncthreads();
-}
-__device__ void probe_end(GroupShared& sh, u32 start) {
+// Add the CTA's slots and its cycles since `start` to hs_idx_probe (all threads).
+__device__ __forceinline__ void probe_end(GroupShared& sh, u32 start) {
+#if HS_IDX_PROBE
     __syncthreads();
     if (threadIdx.x == 0) {
         sh.probe[N_TOTAL_CYCLES] = probe_clock() - start;
         for (int i = 0; i < PROBE_SLOTS; ++i) atomicAdd(&hs_idx_probe[i], (unsigned long long)sh.probe[i]);
     }
-}
-__device__ __forceinline__ u32 probe_start_clock() { return probe_clock(); }
-}  // namespace
 #else
-namespace {
-__device__ __forceinline__ void probe_begin(GroupShared&) {}
-__device__ __forceinline__ void probe_end(GroupShared&, u32) {}
-__device__ __forceinline__ u32 probe_start_clock() { return 0; }
-}  // namespace
+    (void)sh;
+    (void)start;
 #endif
+}
+}  // namespace

@@ -65,7 +65,9 @@ def _config(q, topk: int | None):
     if topk is not None and topk > sort_cap:
         return None
     f16 = np.dtype(q.dtype) == np.float16
-    defines = (f"HS_IDX_HEADS={heads}", f"HS_IDX_DIM={dim}", f"HS_IDX_F16={int(f16)}") + (("HS_IDX_PROBE=1",) if PROBE else ())
+    defines = (f"HS_IDX_HEADS={heads}", f"HS_IDX_DIM={dim}", f"HS_IDX_F16={int(f16)}")
+    if PROBE:
+        defines += ("HS_IDX_PROBE=1",)
     smem = 1024 + QROWS * dim * 2 + STAGES * KT * dim * 2 + QROWS * 4  # 1024: alignment slack
     return defines, smem, QROWS // heads, (np.float16 if f16 else bfloat16)
 
