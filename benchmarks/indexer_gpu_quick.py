@@ -9,7 +9,10 @@ device call, so that the trees share the GPU's state.
 
 ``--guess-beta`` sets the kernel's threshold guess (``GUESS_BETA``; 0 turns
 it off) for A/B runs in one tree; each top-k's line counts the rows its
-timed runs selected again after a failed guess. ``--out FOLDER`` also writes
+timed runs selected again after a failed guess. ``--tie-run L`` repeats
+every key L times (the copies scattered along the sequence), so a query's
+picks hold runs of up to L equal scores: the final sort's tie handling at
+its worst where L is its run limit. ``--out FOLDER`` also writes
 the line's figures as a results JSON (rows with ``median_ms``), as
 ``benchmarks.ab_runs`` wants:
 
@@ -46,12 +49,18 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each top-k (median)")
     parser.add_argument("--chunk", type=int, default=16384, help="query chunk of the score-only run")
     parser.add_argument("--guess-beta", type=float, default=None, help="the kernel's GUESS_BETA (0: no guess)")
+    parser.add_argument("--tie-run", type=int, default=1, help="copies of every key (1: all keys distinct)")
     parser.add_argument("--out", default=None, help="folder for a results JSON of this run")
     args = parser.parse_args(argv)
+    if args.tie_run < 1:
+        parser.error("--tie-run wants at least 1")
     reselected = count_reselections(args.guess_beta)
 
     q, k, w = inputs(cp, args.n, args.heads, args.dim)
-    row = {"label": args.label, "n": args.n, "heads": args.heads, "guess_beta": gpu.GUESS_BETA}
+    if args.tie_run > 1:
+        k = repeated_keys(cp, k, args.tie_run)
+    row = {"label": args.label, "n": args.n, "heads": args.heads, "guess_beta": gpu.GUESS_BETA,
+           "tie_run": args.tie_run}
     if not args.topk_only:
         scores_only(hs, q[:2048], k[:2048], w[:2048], 1024)  # compile
         row["scores_ms"] = round(wall_ms(cp, lambda: scores_only(hs, q, k, w, args.chunk), SCORE_REPEATS), 2)
@@ -69,9 +78,17 @@ def main(argv=None) -> None:
         write_results("indexer_gpu_quick", gpu_device(), result_rows(row, args.repeats), Path(args.out))
 
 
+def repeated_keys(cp, k, copies: int):
+    """[n, D] keys made of n / copies distinct rows of k, each `copies` times
+    (the last row fewer where copies does not divide n), in a fixed random order."""
+    n = k.shape[0]
+    order = cp.random.default_rng(1).permutation(n)
+    return k[cp.arange(n) // copies][order]
+
+
 def result_rows(row: dict, repeats: int) -> list[dict]:
     """The printed line as results rows: one per timed call, with ``median_ms``."""
-    config = {"n": row["n"], "heads": row["heads"], "guess_beta": row["guess_beta"]}
+    config = {"n": row["n"], "heads": row["heads"], "guess_beta": row["guess_beta"], "tie_run": row["tie_run"]}
     rows = []
     if "scores_ms" in row:
         rows.append({"impl": "scores alone", "config": config, "median_ms": row["scores_ms"],

@@ -182,12 +182,26 @@ def test_ab_runs_alternates_the_trees_and_merges_their_rows(tmp_path, capsys):
 def test_indexer_quick_rows_carry_each_timed_call():
     from benchmarks import indexer_gpu_quick
 
-    line = {"label": "x", "n": 4096, "heads": 64, "guess_beta": 1.75, "scores_ms": 3.5,
+    line = {"label": "x", "n": 4096, "heads": 64, "guess_beta": 1.75, "tie_run": 1, "scores_ms": 3.5,
             "topk256_ms": 4.0, "topk256_reselected": 0, "topk2048_ms": 5.25, "topk2048_reselected": 2}
     rows = indexer_gpu_quick.result_rows(line, repeats=3)
     assert [(r["impl"], r["median_ms"]) for r in rows] == [
         ("scores alone", 3.5), ("indexer_topk k=256", 4.0), ("indexer_topk k=2048", 5.25)]
-    assert rows[2]["reselected_rows"] == 2 and rows[2]["config"] == {"n": 4096, "heads": 64, "guess_beta": 1.75}
+    assert rows[2]["reselected_rows"] == 2
+    assert rows[2]["config"] == {"n": 4096, "heads": 64, "guess_beta": 1.75, "tie_run": 1}
+
+
+def test_indexer_quick_repeated_keys_hold_each_row_that_often():
+    import numpy as np
+
+    from benchmarks import indexer_gpu_quick
+
+    k = np.arange(10 * 4, dtype=np.float32).reshape(10, 4)
+    tied = indexer_gpu_quick.repeated_keys(np, k, 3)
+    rows, counts = np.unique(tied, axis=0, return_counts=True)
+    np.testing.assert_array_equal(rows, k[:4])  # rows 0..3 of k, three copies each but the last
+    assert counts.tolist() == [3, 3, 3, 1]
+    assert not (tied[:, 0] == np.sort(tied[:, 0])).all()  # the copies are scattered
 
 
 def test_indexer_accuracy_counts_picks_outside_the_exact_topk():
