@@ -196,8 +196,9 @@ def test_indexer_quick_repeated_keys_hold_each_row_that_often():
 
     from benchmarks import indexer_gpu_quick
 
-    k = np.arange(10 * 4, dtype=np.float32).reshape(10, 4)
+    k = np.arange(10 * 4, dtype=np.float16).reshape(10, 4)
     tied = indexer_gpu_quick.repeated_keys(np, k, 3)
+    assert tied.dtype == np.float16
     rows, counts = np.unique(tied, axis=0, return_counts=True)
     np.testing.assert_array_equal(rows, k[:4])  # rows 0..3 of k, three copies each but the last
     assert counts.tolist() == [3, 3, 3, 1]
