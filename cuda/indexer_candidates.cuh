@@ -253,43 +253,46 @@ __device__ PickRange load_picks(GroupShared& sh, const SortArea& a, const uint2*
     return r;
 }
 
-// After the sort by keys (stable, so equal keys keep their loaded order):
-// put each run of equal keys among the first n picks in ascending index
-// order, each run by the thread that holds its first position (an insertion
-// sort; only the indices move). Returns false where some run is longer than
-// TIE_RUN_MAX (its thread leaves it; the caller sorts again by index and
-// key). All threads call this.
+// After the sort by keys: the first n picks' indices with each run of equal
+// keys in ascending index order, written to a.idx(at ^ 1). Every position
+// finds its run [s, e) and its index's rank r among the run's, and puts its
+// index at s + r (indices are distinct, so the ranks are a permutation of
+// the run), so a run's cost falls on its own positions' threads. Returns
+// false where some run is longer than TIE_RUN_MAX (the caller sorts again
+// by index and key). All threads call this.
 constexpr u32 TIE_RUN_MAX = 32;
 __device__ bool order_tie_runs(const SortArea& a, int at, u32 n) {
     const u32* key = a.key(at);
-    u32* idx = a.idx(at);
+    const u32* idx = a.idx(at);
+    u32* ordered = a.idx(at ^ 1);
     bool too_long = false;
     #pragma unroll 1
-    for (u32 j = threadIdx.x; j + 1 < n; j += THREADS) {
-        if (key[j] != key[j + 1] || (j > 0 && key[j - 1] == key[j])) continue;  // not the first of a run
-        u32 end = j + 2;
-        while (end < n && key[end] == key[j] && end - j <= TIE_RUN_MAX) ++end;
-        if (end - j > TIE_RUN_MAX) {
-            too_long = true;
-            continue;
-        }
-        for (u32 i = j + 1; i < end; ++i) {
-            const u32 x = idx[i];
-            u32 m = i;
-            for (; m > j && idx[m - 1] > x; --m) idx[m] = idx[m - 1];
-            idx[m] = x;
-        }
+    for (u32 j = threadIdx.x; j < n; j += THREADS) {
+        const u32 kj = key[j], ij = idx[j];
+        u32 s = j;  // the run's start, looked for at most TIE_RUN_MAX back
+        while (s > 0 && key[s - 1] == kj && j - s < TIE_RUN_MAX) --s;
+        u32 rank = 0, e = s;  // a run past TIE_RUN_MAX takes e to s + TIE_RUN_MAX + 1
+        for (; e < n && key[e] == kj && e - s <= TIE_RUN_MAX; ++e) rank += idx[e] < ij;
+        if (e - s > TIE_RUN_MAX) too_long = true;
+        else ordered[s + rank] = ij;
     }
     return !__syncthreads_or(too_long);
 }
 
-// Sort the n loaded picks, key descending then index ascending; returns
-// which array pair holds them. Keys alone first, then the runs of equal keys
-// put in index order (order_tie_runs); only where a run is too long for that
-// does it sort again by index and key (stable LSD passes, so the first order
-// does not matter then). Both rounds go through one call site, so the sort
-// is inlined once (two calls made the tail 1138 -> 1599 SASS instructions).
-__device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r, u32 n, u32 n_pad) {
+// Where the sorted picks lie: keys and indices, n of each, key descending
+// then index ascending.
+struct SortedPicks {
+    const u32* key;
+    const u32* idx;
+};
+
+// Sort the n loaded picks, key descending then index ascending. Keys alone
+// first, then the runs of equal keys put in index order (order_tie_runs);
+// only where a run is too long for that does it sort again by index and key
+// (stable LSD passes, so the first order does not matter then). Both rounds
+// go through one call site, so the sort is inlined once (two calls made the
+// tail 1138 -> 1599 SASS instructions).
+__device__ SortedPicks sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r, u32 n, u32 n_pad) {
     Probe probe(sh);
     int at = 0;
     #pragma unroll 1
@@ -300,9 +303,9 @@ __device__ int sort_picks(GroupShared& sh, const SortArea& a, const PickRange& r
                                                           (int)n_pad, by_index ? bytes_of(r.idx_hi - r.idx_lo) : 0,
                                                           bytes_of(r.key_hi - r.key_lo), r.key_lo, r.idx_lo,
                                                           reinterpret_cast<u16*>(sh.hist), sh.scratch);
-        if (by_index || order_tie_runs(a, at, n)) break;
+        if (!by_index && order_tie_runs(a, at, n)) return SortedPicks{a.key(at), a.idx(at ^ 1)};
     }
-    return at;
+    return SortedPicks{a.key(at), a.idx(at)};
 }
 
 // Cut query qi's candidates to a superset of its top k, sort them and write
@@ -325,12 +328,12 @@ __device__ void write_selection(GroupShared& sh, const Buffers& buf, int qi, u32
     const u32 n_pad = max((n + THREADS - 1) / THREADS, 1u) * THREADS;
     const PickRange range = load_picks(sh, area, staged ? area.stage() : buf.pairs + buf.at(sh.flip[qi], qi), n, n_pad);
     probe.mark(P_FINAL_LOAD);
-    const int at = sort_picks(sh, area, range, n, n_pad);
+    const SortedPicks sorted = sort_picks(sh, area, range, n, n_pad);
     probe.mark(P_FINAL_SORT);
     #pragma unroll 4
     for (u32 j = threadIdx.x; j < k; j += THREADS) {
-        out_idx[j] = j < n ? (int)area.idx(at)[j] : -1;
-        if (out_scores) out_scores[j] = __uint_as_float(j < n ? key_to_bits(area.key(at)[j]) : NEG_INF_BITS);
+        out_idx[j] = j < n ? (int)sorted.idx[j] : -1;
+        if (out_scores) out_scores[j] = __uint_as_float(j < n ? key_to_bits(sorted.key[j]) : NEG_INF_BITS);
     }
     __syncthreads();
     probe.mark(P_FINAL_WRITE);
