@@ -223,7 +223,7 @@ def test_guesses_with_ties_nan_and_short_rows(monkeypatch, topk):
 @pytest.mark.parametrize("topk", [64, 300, 2048])
 def test_runs_of_tied_picks(mask, topk):
     """Keys repeated in blocks of 1 to 65, so the picks hold runs of equal scores of those lengths: the
-    final sort puts runs of up to 32 (TIE_RUN_MAX) in index order in place, and sorts again by index
+    final sort ranks the indices within runs of up to 32 (TIE_RUN_MAX), and sorts again by index
     where a run is longer. Either way the rows equal the materialised selection."""
     import cupy
 
