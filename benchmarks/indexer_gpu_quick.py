@@ -79,8 +79,8 @@ def main(argv=None) -> None:
 
 
 def repeated_keys(cp, k, copies: int):
-    """[n, D] keys made of n / copies distinct rows of k, each `copies` times
-    (the last row fewer where copies does not divide n), in a fixed random order."""
+    """[n, D] keys made of the first ceil(n / copies) rows of k, each `copies`
+    times (the last row fewer where copies does not divide n), in a fixed random order."""
     n = k.shape[0]
     rows = (cp.arange(n) // copies)[cp.random.RandomState(1).permutation(n)]
     return k.view(cp.uint16)[rows].view(k.dtype)  # gathered as 16-bit words: any 2-byte dtype
