@@ -128,6 +128,43 @@ def matmul_rate_tflops(torch) -> float:
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
+def matmul_run_plan(flops: float, n: int = 8192) -> tuple[int, int, float]:
+    """How ``matmul_run_ms`` covers ``flops``: (whole [n, n] x [n, n] products,
+    the columns m of one last [n, n] x [n, m] product, the FLOPs run). m is a
+    multiple of 128, at least 128, so the FLOPs run differ from ``flops`` by
+    at most 2 n^2 128."""
+    whole = int(flops // (2 * n**3))
+    m = max(128, round((flops - whole * 2 * n**3) / (2 * n * n) / 128) * 128)
+    return whole, m, float(whole * 2 * n**3 + 2 * n * n * m)
+
+
+def matmul_run_ms(torch, flops: float, repeats: int = 3) -> float:
+    """Median ms of torch bfloat16 matmuls run back to back whose FLOPs total
+    ``flops`` (``matmul_run_plan``; the time is scaled by ``flops`` over the
+    FLOPs run). Unlike ``matmul_rate_tflops`` (about 14 ms of products) this
+    runs as long as the work it stands for, so a card held at its power limit
+    runs it at the clock it allows over that time. One product runs first as
+    a warm-up.
+    """
+    n = 8192
+    whole, m, run_flops = matmul_run_plan(flops, n)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    rest = b[:, :m].contiguous()
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(whole):
+            a @ b
+        a @ rest
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * flops / run_flops)
+    return statistics.median(times)
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """Fixed-width text table of the given columns."""
     cells = [[str(r.get(c, "")) for c in columns] for r in rows]

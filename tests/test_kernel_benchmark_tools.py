@@ -5,8 +5,9 @@ the warps synchronise, the slot orders of sparse_attention_order keep each
 row's keys (with torch only), ab_runs alternates trees and merges their
 rows, ab_trees copies commits for it, the indexer accuracy check
 counts picks outside the exact top-k, indexer_bits compares two trees'
-outputs byte for byte, and indexer_timeline reads the probe's slots in
-the kernel's order."""
+outputs byte for byte, indexer_timeline reads the probe's slots in
+the kernel's order, the GEMM floor's matmul run covers the FLOPs it
+stands for, and gpu_clocks sorts nvidia-smi's samples into their phases."""
 from __future__ import annotations
 
 import json
@@ -295,3 +296,44 @@ def test_indexer_timeline_slots_follow_the_kernel_and_sum_up():
     assert summary["final_per_query"]["final"] == 75 and summary["final_per_query"]["final_sort"] == 50
     assert summary["candidates_per_final_prune"] == 3000.0 and summary["sort_passes_per_query"] == 3.0
     assert "issue" in tl.report(summary)
+
+
+@pytest.mark.parametrize("flops", [1.0, 5.5e11, 2 * 8192.0**3, 1.4074e14, 1.1259e16])
+def test_matmul_run_covers_the_flops_it_stands_for(flops):
+    """Whole 8192^3 products and one [8192, m] product: m a multiple of 128,
+    the FLOPs run within 2 * 8192^2 * 128 of those asked for."""
+    from benchmarks.common import matmul_run_plan
+
+    n = 8192
+    whole, m, run = matmul_run_plan(flops)
+    assert m % 128 == 0 and 128 <= m <= n
+    assert run == whole * 2 * n**3 + 2 * n * n * m
+    assert abs(run - flops) <= 2 * n * n * 128
+
+
+def test_gpu_clocks_sorts_samples_into_their_phases():
+    """Each phase gets the samples between its start and end: the clock's
+    median and percentiles, the median power and the power cap's share;
+    unreadable lines are skipped and a phase without samples says so."""
+    from datetime import datetime
+
+    from benchmarks import gpu_clocks
+
+    lines = ["2026/12/07 10:00:00.000, 1400, 690.5, Active",
+             "2026/12/07 10:00:00.050, 1500, 699.0, Active",
+             "2026/12/07 10:00:00.100, 1600, 701.0, Not Active",
+             "[N/A], garbage",
+             "2026/12/07 10:00:01.000, 1980, 120.0, Not Active"]
+    samples = gpu_clocks.parse_samples(lines)
+    assert len(samples) == 4 and samples[0][3] is True and samples[2][3] is False
+    at = lambda s: datetime.strptime(f"2026/12/07 10:00:{s}", gpu_clocks.FMT)  # noqa: E731
+    rows = gpu_clocks.summarise(samples, [("topk1", at("00.000"), at("00.100"), 3, 250.0, {}),
+                                          ("idle", at("02.000"), at("03.000"), 1, 1.0, {"tflops": 0.0})])
+    assert rows[0]["samples"] == 3 and rows[0]["sm_mhz_median"] == 1500.0
+    assert rows[0]["sm_mhz_p10"] == 1420.0 and rows[0]["sm_mhz_p90"] == 1580.0
+    assert rows[0]["power_w_median"] == 699.0 and rows[0]["power_cap_fraction"] == round(2 / 3, 3)
+    assert rows[1] == {"phase": "idle", "steps": 1, "ms_per_step": 1.0, "samples": 0, "tflops": 0.0}
+    without_cap = gpu_clocks.parse_samples(["2026/12/07 10:00:00.000, 1400, 690.5"])
+    assert without_cap[0][3] is None
+    assert gpu_clocks.summarise(without_cap, [("m", at("00.000"), at("00.000"), 1, 1.0, {})])[0][
+        "power_cap_fraction"] is None
