@@ -120,10 +120,15 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.nbytes / (ms * 1e-3) / 1e9
 
 
+def bf16_square_operands(torch, n: int = 8192):
+    """Two random [n, n] bfloat16 torch matrices on the GPU, the operands of the matmul floors."""
+    return (torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+            torch.randn(n, n, device="cuda", dtype=torch.bfloat16))
+
+
 def matmul_rate_tflops(torch) -> float:
     """torch's bfloat16 matmul rate on the current device, TFLOP/s (8192^3, median of 10)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a, b = bf16_square_operands(torch)
     ms = time_gpu(lambda i: a @ b, repeats=10)
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
@@ -148,8 +153,7 @@ def matmul_run_ms(torch, flops: float, repeats: int = 3) -> float:
     """
     n = 8192
     whole, m, run_flops = matmul_run_plan(flops, n)
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a, b = bf16_square_operands(torch, n)
     rest = b[:, :m].contiguous()
     a @ b
     times = []

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import RESULTS, gpu_device, table, write_results
+from .common import RESULTS, bf16_square_operands, gpu_device, table, write_results
 
 FMT = "%Y/%m/%d %H:%M:%S.%f"  # nvidia-smi's timestamp
 # The power cap's field took this name in newer drivers; older ones call it clocks_throttle_reasons.
@@ -80,8 +80,7 @@ def summarise(samples, phases) -> list[dict]:
 
 def matmul_step(torch):
     """A step of 20 bfloat16 8192^3 products and its FLOPs."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a, b = bf16_square_operands(torch)
 
     def step():
         for _ in range(20):
