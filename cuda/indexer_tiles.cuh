@@ -17,10 +17,17 @@ __device__ __forceinline__ void issue_half(float (&acc)[QROWS / 4], const unsign
                                            const unsigned char* q_tile) {
     wgmma_fence_operands(acc);
     wgmma_fence();
+    // The k-steps' descriptors are two base words plus constants. The empty
+    // asm keeps ptxas from hoisting the query tile's 16 descriptors out of
+    // the tile loop into general registers (4 R2UR moves a product);
+    // recomputed here they stay in uniform registers (same bits either way).
+    const u64 k_desc = wgmma_desc(k_tile), q_desc = wgmma_desc(q_tile + HALF * (QROWS / 2) * 128);
+    u32 k_lo = (u32)k_desc, q_lo = (u32)q_desc;
+    asm volatile("" : "+r"(k_lo), "+r"(q_lo));
+    const u64 hi = k_desc & 0xFFFFFFFF00000000ull;
     #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_m64n128k16<F16>(acc, wgmma_desc_k(k_tile, kk, KT),
-                              wgmma_desc_k(q_tile + HALF * (QROWS / 2) * 128, kk, QROWS), kk > 0);
+        wgmma_m64n128k16<F16>(acc, hi | wgmma_desc_k_lo(k_lo, kk, KT), hi | wgmma_desc_k_lo(q_lo, kk, QROWS), kk > 0);
     wgmma_commit();
     wgmma_fence_operands(acc);
 }

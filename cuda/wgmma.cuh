@@ -60,6 +60,12 @@ __device__ __forceinline__ u64 wgmma_desc_k(const unsigned char* base, int kk, i
     return wgmma_desc_advance(wgmma_desc(base), (u32)((kk >> 2) * rows * 128 + (kk & 3) * 32));
 }
 
+// The low word of wgmma_desc_k's result, from the low word of the base's
+// descriptor (the high word does not depend on the address).
+__device__ __forceinline__ u32 wgmma_desc_k_lo(u32 base_lo, int kk, int rows) {
+    return base_lo + ((u32)((kk >> 2) * rows * 128 + (kk & 3) * 32) >> 4);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
