@@ -19,9 +19,9 @@ __device__ __forceinline__ void issue_half(float (&acc)[QROWS / 4], const unsign
     wgmma_fence();
     // The k-steps' descriptors are two base words plus constants. The empty
     // asm keeps ptxas from hoisting the query tile's 16 descriptors out of
-    // the tile loop into general registers, from which each is moved to
-    // uniform registers before its product (R2UR); recomputed here they stay
-    // in uniform registers (same bits either way).
+    // the tile loop, where it held half of them in general registers and
+    // moved each to uniform registers before its product (R2UR); recomputed
+    // here they stay in uniform registers (same bits either way).
     const u64 k_desc = wgmma_desc(k_tile), q_desc = wgmma_desc(q_tile + HALF * (QROWS / 2) * 128);
     u32 k_lo = (u32)k_desc, q_lo = (u32)q_desc;
     asm volatile("" : "+r"(k_lo), "+r"(q_lo));
