@@ -17,11 +17,12 @@ __device__ __forceinline__ void issue_half(float (&acc)[QROWS / 4], const unsign
                                            const unsigned char* q_tile) {
     wgmma_fence_operands(acc);
     wgmma_fence();
-    // The k-steps' descriptors are two base words plus constants. The empty
-    // asm keeps ptxas from hoisting the query tile's 16 descriptors out of
-    // the tile loop, where it held half of them in general registers and
-    // moved each to uniform registers before its product (R2UR); recomputed
-    // here they stay in uniform registers (same bits either way).
+    // Each k-step's descriptors are a base low word plus a constant, under
+    // wgmma_desc's high word, which holds no address bits and so is the same
+    // for both operands (the same bits as wgmma_desc_k). The empty asm keeps
+    // ptxas from hoisting the 16 query descriptors out of the tile loop into
+    // general registers, each then moved to a uniform register (R2UR) before
+    // its product; built here they stay in uniform registers.
     const u64 k_desc = wgmma_desc(k_tile), q_desc = wgmma_desc(q_tile + HALF * (QROWS / 2) * 128);
     u32 k_lo = (u32)k_desc, q_lo = (u32)q_desc;
     asm volatile("" : "+r"(k_lo), "+r"(q_lo));
