@@ -54,16 +54,22 @@ __device__ __forceinline__ u64 wgmma_desc_advance(u64 desc, u32 bytes) {
     return ((u64)hi << 32) | lo;
 }
 
-// Descriptor for k-step `kk` (16 elements) of an operand of `rows` rows: the
-// same bits as wgmma_desc at that k-step's address.
+// Byte offset of k-step `kk` (16 elements) in an operand of `rows` rows in
+// the region layout: four k-steps to a 128-byte row, then the next region.
+__device__ __forceinline__ u32 wgmma_k_step_bytes(int kk, int rows) {
+    return (u32)((kk >> 2) * rows * 128 + (kk & 3) * 32);
+}
+
+// Descriptor for k-step `kk` of an operand of `rows` rows: the same bits as
+// wgmma_desc at that k-step's address.
 __device__ __forceinline__ u64 wgmma_desc_k(const unsigned char* base, int kk, int rows) {
-    return wgmma_desc_advance(wgmma_desc(base), (u32)((kk >> 2) * rows * 128 + (kk & 3) * 32));
+    return wgmma_desc_advance(wgmma_desc(base), wgmma_k_step_bytes(kk, rows));
 }
 
 // The low word of wgmma_desc_k's result, from the low word of the base's
 // descriptor (the high word does not depend on the address).
 __device__ __forceinline__ u32 wgmma_desc_k_lo(u32 base_lo, int kk, int rows) {
-    return base_lo + ((u32)((kk >> 2) * rows * 128 + (kk & 3) * 32) >> 4);
+    return base_lo + (wgmma_k_step_bytes(kk, rows) >> 4);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
